@@ -1,0 +1,34 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+# Each creates the virtual environment it needs when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: demo test lint bench doctor clean
+
+$(PY): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(PY)
+
+demo: $(PY)
+	$(PY) -m keras_amp_plus demo --log-dir logs/demo
+
+test: $(PY)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest tests
+	$(PY) -m pytest --nbmake notebooks
+
+bench: $(PY)
+	$(PY) benchmarks/layers.py
+	$(PY) benchmarks/loss_scale.py
+	$(PY) benchmarks/monitor.py
+
+doctor: $(PY)
+	$(PY) -m keras_amp_plus doctor
+
+clean:
+	rm -rf $(VENV) logs .pytest_cache

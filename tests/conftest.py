@@ -1,0 +1,20 @@
+"""Shared fixtures: every test leaves Keras's global state as it found it."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def restore_keras_state():
+    """Reset the global dtype policy and the Keras session after each test."""
+    policy = keras.config.dtype_policy()
+    yield
+    keras.config.set_dtype_policy(policy)
+    keras.backend.clear_session()

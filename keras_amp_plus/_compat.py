@@ -99,3 +99,17 @@ def itex_module():
 
 
 __all__ = ["IS_KERAS_3", "KERAS_MAJOR", "tf"]
+
+
+def onednn_enabled() -> bool | None:
+    """Return whether TensorFlow's oneDNN (MKL) kernels are on, or None if unknown.
+
+    TensorFlow has no public API for this. `IsMklEnabled` is the function TF's own
+    tests use; it reads `TF_ENABLE_ONEDNN_OPTS` and the build's default exactly as
+    the kernels do, so it is reached privately here (used by the doctor).
+    """
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:
+        return None
+    return bool(_pywrap_util_port.IsMklEnabled())

@@ -113,3 +113,26 @@ def onednn_enabled() -> bool | None:
     except ImportError:
         return None
     return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def flatten_layers(layer) -> list:
+    """Return every layer nested inside `layer` (recursively), itself excluded.
+
+    Keras 3 has no public recursive walk (`Model.layers` is one level deep), so
+    this uses `Layer._flatten_layers`, which Keras itself relies on for saving.
+    """
+    return list(layer._flatten_layers(include_self=False, recursive=True))
+
+
+def reset_grappler_option(name: str) -> None:
+    """Forget a grappler option so it is back to "not set" (DEFAULT).
+
+    `tf.config.optimizer.set_experimental_options` can only set an option ON or
+    OFF; restoring a never-set option exactly needs the private eager context.
+    The public setter is then called with no changes so that TF drops its cached
+    function-call options, exactly as it does after a real change.
+    """
+    from tensorflow.python.eager import context
+
+    context.context()._optimizer_experimental_options.pop(name, None)
+    tf.config.optimizer.set_experimental_options({})

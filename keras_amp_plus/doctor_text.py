@@ -1,0 +1,96 @@
+"""Render the doctor's facts (`keras_amp_plus.doctor.gather_facts`) as text."""
+
+from keras_amp_plus import cpu_features
+
+
+def _yes_no(value) -> str:
+    """Return "yes", "no" or "unknown" for True, False or None."""
+    return {True: "yes", False: "no"}.get(value, "unknown")
+
+
+def _itex_line(itex: dict) -> str:
+    """Return ITEX's version and whether it can be used on this stack."""
+    if itex["version"] is None:
+        return "not installed"
+    usable = "importable" if itex["importable"] else "not importable on this stack"
+    return f"{itex['version']} ({usable})"
+
+
+def _onednn_line(onednn: dict) -> str:
+    """Return the oneDNN switch and the environment variable behind it."""
+    env = onednn["TF_ENABLE_ONEDNN_OPTS"]
+    source = "unset, TF's default" if env is None else f"={env}"
+    state = {True: "on", False: "off"}.get(onednn["enabled"], "unknown")
+    return f"{state} (TF_ENABLE_ONEDNN_OPTS {source})"
+
+
+def _features_line(cpu: dict) -> str:
+    """Return the low-precision CPU features, or why they are unknown."""
+    features = cpu["features"]
+    if features is None:
+        return f"unknown (no /proc/cpuinfo on {cpu['system']})"
+    return ", ".join(
+        f"{label} {_yes_no(features[flag])}"
+        for flag, label in cpu_features.LOW_PRECISION_FLAGS.items()
+    )
+
+
+def _xla_line(xla: dict) -> str:
+    """Return whether `fit` is XLA-compiled and what that means for graph AMP."""
+    if xla["jit_compile"]:
+        return 'yes (jit_compile="auto" -> True): graph AMP does not apply'
+    return 'no (jit_compile="auto" -> False): graph AMP applies'
+
+
+def _probe_lines(probe: dict) -> list:
+    """Return the probe's table: one row per dtype."""
+    basis = probe.get("speedup_basis", "cpu_time").replace("_", " ")
+    lines = [
+        f"Matmul probe ({probe['size']}x{probe['size']}, about "
+        f"{probe['seconds']:g} s, medians of interleaved rounds)",
+        f"  {'dtype':<10}{'ms/matmul':>11}{'TFLOP/s':>10}{'CPU ms':>9}"
+        f"{'vs float32 (' + basis + ')':>26}",
+    ]
+    for dtype, result in probe["results"].items():
+        if "error" in result:
+            lines.append(f"  {dtype:<10}  not available: {result['error'][:60]}")
+            continue
+        speedup = result.get("speedup_vs_float32")
+        ratio = "-" if speedup is None else f"{speedup:.2f}x"
+        lines.append(
+            f"  {dtype:<10}{result['wall_ms']:>11.2f}{result['tflops']:>10.3f}"
+            f"{result['cpu_ms']:>9.2f}{ratio:>26}"
+        )
+    return lines
+
+
+def render(facts: dict) -> str:
+    """Return the doctor's report as plain text.
+
+    Args:
+        facts: the dict returned by `keras_amp_plus.doctor.gather_facts`.
+    """
+    versions, cpu = facts["versions"], facts["cpu"]
+    devices = ", ".join(
+        d["name"].replace("/physical_device:", "") for d in facts["devices"]
+    )
+    rows = [
+        ("Python", versions["python"]),
+        ("TensorFlow", versions["tensorflow"]),
+        ("Keras", f"{versions['keras']} (backend: {versions['keras_backend']})"),
+        ("keras_amp_plus", versions["keras_amp_plus"]),
+        ("ITEX", _itex_line(versions["itex"])),
+        ("oneDNN", _onednn_line(facts["onednn"])),
+        ("CPU", cpu["model"] or f"{cpu['system']} {cpu['machine']}"),
+        ("CPU features", _features_line(cpu)),
+        ("Devices", devices or "none"),
+        ("XLA in fit", _xla_line(facts["xla"])),
+    ]
+    lines = ["keras_amp_plus doctor", ""]
+    lines += [f"  {label:<16}{value}" for label, value in rows]
+    lines += ["", *_probe_lines(facts["probe"]), "", "Recommendation"]
+    advice = facts["recommendation"]
+    lines.append(f"  {advice['summary']}")
+    lines += [f"  WARNING: {warning}" for warning in advice["warnings"]]
+    lines += [f"  note: {note}" for note in advice["notes"]]
+    return "\n".join(lines)

@@ -93,7 +93,7 @@ def itex_module():
     """
     try:
         import intel_extension_for_tensorflow as itex
-    except Exception:  # noqa: BLE001 - any import failure means no usable ITEX
+    except Exception:
         return None
     return itex
 
@@ -136,3 +136,63 @@ def reset_grappler_option(name: str) -> None:
 
     context.context()._optimizer_experimental_options.pop(name, None)
     tf.config.optimizer.set_experimental_options({})
+
+
+# --- LossScaleOptimizer (keras_amp_plus/optimizers) ---------------------------
+# Our LossScaleOptimizer subclasses `keras.optimizers.LossScaleOptimizer` and
+# replaces its public `apply()` whole (finiteness is computed once per gradient
+# and reused for the skip decision and the per-variable record). Keras's private
+# TensorFlow hooks below are therefore bypassed, not overridden, and the public
+# attributes below are read from Keras's `build()`. If Keras renames or starts
+# routing training through any of them, tests/test_loss_scale_compat.py fails.
+KERAS_LOSS_SCALE_BYPASSED_HOOKS = (
+    "_tf_apply",
+    "_common_apply",
+    "_stateful_handle_finite_grads",
+    "_stateful_handle_non_finite_grads",
+    "check_finite",
+)
+KERAS_LOSS_SCALE_ATTRIBUTES = (
+    "step_counter",
+    "dynamic_scale",
+    "inner_optimizer",
+    "initial_scale",
+    "dynamic_growth_steps",
+)
+
+
+def strategy_supports_no_merge_call() -> bool:
+    """Return True when the current strategy can update state in replica context.
+
+    Why private: Keras's own scaler chooses between its replica-context and
+    `merge_call` paths with this TF helper; TF has no public equivalent.
+    """
+    return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def call_for_each_replica(strategy, fn, args):
+    """Run `fn(*args)` on every replica from inside `merge_call`.
+
+    Why: in cross-replica context `strategy.run` is not allowed; Keras's scaler
+    uses `StrategyExtended.call_for_each_replica` (public only in tf.compat.v1).
+    """
+    return strategy.extended.call_for_each_replica(fn, args=args)
+
+
+def itex_layer_norm_op():
+    """Return ITEX's fused layer-norm op (`itex_layer_norm`), or None.
+
+    ITEX publishes the kernel only inside `itex.ops.LayerNormalization`, a
+    tf.keras (Keras 2) layer; the raw op lives in ITEX's private
+    `load_ops_library` module, reached from here so no other module touches it.
+    Its gradient is registered when ITEX is imported.
+    """
+    if itex_module() is None:
+        return None
+    try:  # pragma: no cover - needs the ITEX stack
+        from intel_extension_for_tensorflow.python.ops.load_ops_library import (
+            load_ops_library,
+        )
+    except Exception:  # noqa: BLE001 - an ITEX without the op: use ours
+        return None
+    return getattr(load_ops_library, "itex_layer_norm", None)  # pragma: no cover

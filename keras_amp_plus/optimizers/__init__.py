@@ -1,1 +1,5 @@
-"""Placeholder: filled in by its owner."""
+"""Optimizers: the observable loss scaler."""
+
+from keras_amp_plus.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+__all__ = ["LossScaleOptimizer"]

@@ -1,0 +1,154 @@
+"""One scaler step: decide "finite or skipped" once, then apply or record.
+
+One `reduce_all(is_finite(g))` per gradient is all a scaler needs anyway; the
+per-gradient results are kept as a vector, so the same reductions give both
+the skip decision and the per-variable attribution. NaN-vs-Inf is only looked
+at on skipped steps.
+
+Three ways to run, like Keras's own scaler:
+- no strategy: decide and update in place;
+- a strategy that needs `merge_call` (MirroredStrategy on CPUs): finiteness is
+  computed per replica, combined across replicas, and the state is updated
+  once in cross-replica context;
+- a strategy that runs without `merge_call`: the per-variable flags are
+  all-reduced so every replica takes the same branch.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_amp_plus import _compat
+from keras_amp_plus.optimizers import _overflow_records, _scale_schedule
+
+
+def _dense_values(gradient):
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def finite_flags(grads, positions, num_tracked):
+    """Return a bool vector: is each gradient finite.
+
+    The first `num_tracked` entries follow the build order of the scaler's
+    variables (True for a variable without a gradient); gradients of untracked
+    variables are appended after them so they still count for the decision.
+    """
+    tracked = [None] * num_tracked
+    untracked = []
+    for gradient, position in zip(grads, positions, strict=True):
+        if gradient is None:
+            continue
+        flag = tf.reduce_all(tf.math.is_finite(_dense_values(gradient)))
+        if position is None:
+            untracked.append(flag)
+        else:
+            tracked[position] = flag
+    flags = [tf.constant(True) if f is None else f for f in tracked] + untracked
+    if not flags:
+        return tf.ones([0], tf.bool)
+    return tf.stack(flags)
+
+
+def any_nan(grads):
+    """Return a bool scalar: does any gradient hold a NaN."""
+    flags = [
+        tf.reduce_any(tf.math.is_nan(_dense_values(g))) for g in grads if g is not None
+    ]
+    return tf.reduce_any(tf.stack(flags)) if flags else tf.constant(False)
+
+
+def apply_unscaled(optimizer, grads, trainable_variables):
+    """Unscale the gradients and let the inner optimizer apply them."""
+    if optimizer.min_scale == optimizer.max_scale == 1.0:
+        unscaled = list(grads)  # guard mode: dividing by 1 is a wasted pass
+    else:
+        variables = trainable_variables or optimizer._tracked.variables
+        scale = tf.convert_to_tensor(optimizer.dynamic_scale)
+        unscaled = [
+            g
+            if g is None or getattr(v, "overwrite_with_gradient", False)
+            else keras.ops.divide(g, scale)
+            for g, v in zip(grads, variables, strict=True)
+        ]
+    optimizer.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
+
+
+def _finish_step(optimizer, flags, apply_fn, has_nan_fn):
+    """Count the step, then apply it or skip it and record the overflow."""
+    num_tracked = len(optimizer._tracked.variables)
+    finite = tf.reduce_all(flags)
+    step = optimizer.total_steps + 1
+    optimizer.total_steps.assign(step)
+    optimizer.last_step_skipped.assign(tf.cast(tf.logical_not(finite), tf.int64))
+
+    def apply_branch():
+        apply_fn()
+        _scale_schedule.after_finite_step(optimizer)
+
+    def skip_branch():
+        scale_before = tf.convert_to_tensor(optimizer.dynamic_scale)
+        scale_after = _scale_schedule.after_skipped_step(optimizer, scale_before)
+        nonfinite = tf.logical_not(flags[:num_tracked])
+        _overflow_records.record_skipped_step(
+            optimizer, step, nonfinite, has_nan_fn(), scale_before, scale_after
+        )
+        _scale_schedule.act_at_floor(optimizer, step, scale_before)
+
+    tf.cond(finite, apply_branch, skip_branch)
+
+
+def apply_step(optimizer, grads, trainable_variables=None) -> None:
+    """Run one scaler step from replica context (what `apply()` is called in)."""
+    if tf.distribute.in_cross_replica_context():
+        raise ValueError("apply() must be called in a replica context.")
+    grads = list(grads)
+    variables = (
+        optimizer._tracked.variables
+        if trainable_variables is None
+        else list(trainable_variables)
+    )
+    positions = optimizer._tracked.positions(variables)
+    num_tracked = len(optimizer._tracked.variables)
+
+    if tf.distribute.has_strategy() and not _compat.strategy_supports_no_merge_call():
+
+        def cross_replica_step(distribution, grads, trainable_variables):
+            def local_any(fn):
+                per_replica = _compat.call_for_each_replica(distribution, fn, (grads,))
+                return tf.stack(distribution.experimental_local_results(per_replica))
+
+            def flags_fn(g):
+                return finite_flags(g, positions, num_tracked)
+
+            flags = tf.reduce_all(local_any(flags_fn), axis=0)
+            _finish_step(
+                optimizer,
+                flags,
+                lambda: _compat.call_for_each_replica(
+                    distribution,
+                    lambda g, v: apply_unscaled(optimizer, g, v),
+                    (grads, trainable_variables),
+                ),
+                lambda: tf.reduce_any(local_any(any_nan)),
+            )
+
+        tf.distribute.get_replica_context().merge_call(
+            cross_replica_step, args=(grads, trainable_variables)
+        )
+        return
+
+    flags = finite_flags(grads, positions, num_tracked)
+    has_nan_fn = lambda: any_nan(grads)  # noqa: E731 - evaluated in the skip branch
+    if tf.distribute.has_strategy():
+        # Replicas see different local gradients: agree on one decision.
+        packed = tf.concat([tf.logical_not(flags), [any_nan(grads)]], axis=0)
+        summed = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.cast(packed, tf.int32)
+        )
+        flags = tf.equal(summed[:-1], 0)
+        has_nan_fn = lambda: summed[-1] > 0  # noqa: E731
+    _finish_step(
+        optimizer,
+        flags,
+        lambda: apply_unscaled(optimizer, grads, trainable_variables),
+        has_nan_fn,
+    )

@@ -1,0 +1,113 @@
+"""Checks on the arguments of `LossScaleOptimizer`, raised before anything is built.
+
+Every check runs before Keras's constructor touches the inner optimizer (Keras
+clears the inner optimizer's `loss_scale_factor`), so a bad argument changes
+nothing.
+"""
+
+import math
+import numbers
+
+import keras
+
+ON_MIN_SCALE_MODES = ("raise", "warn", "ignore")
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_inner_optimizer(inner_optimizer) -> None:
+    """Raise TypeError unless `inner_optimizer` is a plain Keras optimizer."""
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise TypeError(
+            "`inner_optimizer` is already a LossScaleOptimizer; wrapping it again "
+            "would scale the loss twice. Pass the optimizer it wraps instead "
+            f"(`inner_optimizer.inner_optimizer`). Received: "
+            f"inner_optimizer={inner_optimizer!r}"
+        )
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance, "
+            "e.g. `keras.optimizers.Adam()`. Received: "
+            f"inner_optimizer={inner_optimizer!r} of type "
+            f"{type(inner_optimizer).__name__}"
+        )
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not _is_int(value) or value < 1:
+        raise ValueError(
+            f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
+        )
+
+
+def _check_finite_real(name: str, value) -> None:
+    if not _is_real(value) or not math.isfinite(value):
+        raise ValueError(
+            f"`{name}` must be a finite number. Received: {name}={value!r}"
+        )
+
+
+def check_scale_bounds(initial_scale, min_scale, max_scale) -> None:
+    """Raise ValueError unless 0 < min_scale <= initial_scale <= max_scale."""
+    for name, value in (
+        ("initial_scale", initial_scale),
+        ("min_scale", min_scale),
+        ("max_scale", max_scale),
+    ):
+        _check_finite_real(name, value)
+    if min_scale <= 0:
+        raise ValueError(
+            "`min_scale` must be positive: a zero scale turns every gradient "
+            "into 0/0 = NaN. Use e.g. `min_scale=1.0`. "
+            f"Received: min_scale={min_scale!r}"
+        )
+    if min_scale > max_scale:
+        raise ValueError(
+            "`min_scale` must not be greater than `max_scale`. Received: "
+            f"min_scale={min_scale!r}, max_scale={max_scale!r}"
+        )
+    if not min_scale <= initial_scale <= max_scale:
+        raise ValueError(
+            "`initial_scale` must lie in [min_scale, max_scale]. Received: "
+            f"initial_scale={initial_scale!r}, min_scale={min_scale!r}, "
+            f"max_scale={max_scale!r}"
+        )
+
+
+def check_schedule(growth_factor, backoff_factor, dynamic_growth_steps, hysteresis):
+    """Raise ValueError unless the growth/backoff schedule is well formed."""
+    _check_finite_real("growth_factor", growth_factor)
+    if growth_factor < 1:
+        raise ValueError(
+            "`growth_factor` must be >= 1 (1 disables growth); a smaller value "
+            "would shrink the scale after finite steps. "
+            f"Received: growth_factor={growth_factor!r}"
+        )
+    _check_finite_real("backoff_factor", backoff_factor)
+    if not 0 < backoff_factor < 1:
+        raise ValueError(
+            "`backoff_factor` must lie strictly between 0 and 1, e.g. 0.5. "
+            f"Received: backoff_factor={backoff_factor!r}"
+        )
+    _check_positive_int("dynamic_growth_steps", dynamic_growth_steps)
+    _check_positive_int("hysteresis", hysteresis)
+
+
+def check_on_min_scale(on_min_scale) -> None:
+    """Raise ValueError unless `on_min_scale` is one of the known modes."""
+    if on_min_scale not in ON_MIN_SCALE_MODES:
+        raise ValueError(
+            f"`on_min_scale` must be one of {ON_MIN_SCALE_MODES}. "
+            f"Received: on_min_scale={on_min_scale!r}"
+        )
+
+
+def check_event_buffer_size(event_buffer_size) -> None:
+    """Raise ValueError unless the event ring buffer has at least one slot."""
+    _check_positive_int("event_buffer_size", event_buffer_size)

@@ -1,0 +1,160 @@
+"""The overflow record: optimizer variables written in the step, read on the host.
+
+All records are optimizer variables, so checkpoints, `.keras` files and
+`BackupAndRestore` save them with the scaler. They use ONLY_FIRST_REPLICA
+aggregation and are updated once per step (in cross-replica context under a
+`merge_call` strategy), so an overflow step counts once however many replicas
+there are, and a later multi-worker reduction has one well-defined value.
+"""
+
+import warnings
+
+import tensorflow as tf
+
+_COUNTERS = (
+    "overflow_count",
+    "nan_steps",
+    "inf_steps",
+    "last_step_skipped",
+    "total_steps",
+    "overflows_since_scale_change",
+)
+
+
+class TrackedVariables:
+    """The variables the scaler was built with, in build order.
+
+    A plain object on purpose: Keras's attribute tracker would adopt the model
+    variables of a list attribute as optimizer variables.
+    """
+
+    def __init__(self, variables):
+        self.variables = list(variables)
+        self.index_by_id = {id(v): i for i, v in enumerate(self.variables)}
+
+    def positions(self, variables):
+        """Return each variable's column in the records, None when untracked."""
+        return [self.index_by_id.get(id(v)) for v in variables]
+
+
+def build_overflow_records(optimizer, var_list) -> None:
+    """Create the record variables of the contract on `optimizer`."""
+    num_variables = len(var_list)
+    capacity = optimizer.event_buffer_size
+
+    def add(name, shape, dtype):
+        variable = optimizer.add_variable(
+            shape=shape,
+            dtype=dtype,
+            initializer="zeros",
+            aggregation="only_first_replica",
+            name=name,
+        )
+        setattr(optimizer, name, variable)
+
+    for name in _COUNTERS:
+        add(name, (), "int64")
+    add("variable_overflow_counts", (num_variables,), "int64")
+    add("event_steps", (capacity,), "int64")
+    add("event_scales_before", (capacity,), "float32")
+    add("event_scales_after", (capacity,), "float32")
+    add("event_has_nan", (capacity,), "int64")
+    add("event_variable_masks", (capacity, num_variables), "int64")
+
+
+def record_skipped_step(
+    optimizer, step, nonfinite_mask, has_nan, scale_before, scale_after
+):
+    """Write one overflow event (called in the skipped-step branch only).
+
+    Args:
+        optimizer: the built `LossScaleOptimizer`.
+        step: int64 scalar, the 1-based `total_steps` value of this step.
+        nonfinite_mask: bool `[num_variables]`, True where a gradient was not
+            finite.
+        has_nan: bool scalar, True when any gradient held a NaN.
+        scale_before: float32 scalar, the scale this step was computed with.
+        scale_after: float32 scalar, the scale after this step's backoff.
+    """
+    mask = tf.cast(nonfinite_mask, tf.int64)
+    nan = tf.cast(has_nan, tf.int64)
+    count = optimizer.overflow_count + 1
+    slot = tf.reshape((count - 1) % optimizer.event_buffer_size, (1, 1))
+
+    optimizer.overflow_count.assign(count)
+    optimizer.nan_steps.assign_add(nan)
+    optimizer.inf_steps.assign_add(1 - nan)
+    optimizer.variable_overflow_counts.assign_add(mask)
+
+    def put(buffer, value):
+        buffer.assign(
+            tf.tensor_scatter_nd_update(
+                tf.convert_to_tensor(buffer), slot, tf.expand_dims(value, 0)
+            )
+        )
+
+    put(optimizer.event_steps, step)
+    put(optimizer.event_scales_before, scale_before)
+    put(optimizer.event_scales_after, scale_after)
+    put(optimizer.event_has_nan, nan)
+    put(optimizer.event_variable_masks, mask)
+
+
+def overflow_summary(optimizer) -> dict:
+    """Return the plain-Python summary dict of the contract (one host read)."""
+    paths = tracked_variable_paths(optimizer)
+    counts = optimizer.variable_overflow_counts.numpy().tolist()
+    return {
+        "overflow_count": int(optimizer.overflow_count.numpy()),
+        "nan_steps": int(optimizer.nan_steps.numpy()),
+        "inf_steps": int(optimizer.inf_steps.numpy()),
+        "last_step_skipped": bool(optimizer.last_step_skipped.numpy()),
+        "loss_scale": float(optimizer.dynamic_scale.numpy()),
+        "by_variable": dict(zip(paths, (int(c) for c in counts), strict=True)),
+    }
+
+
+def tracked_variable_paths(optimizer) -> list:
+    """Return the variable paths in the order of the per-variable records."""
+    return [v.path for v in optimizer._tracked.variables]
+
+
+def read_events(optimizer, since_count: int = 0) -> list:
+    """Return the events whose overflow index is greater than `since_count`.
+
+    Events older than the ring buffer's capacity are gone: a warning says how
+    many were lost, and the oldest events still held are returned.
+    """
+    count = int(optimizer.overflow_count.numpy())
+    capacity = optimizer.event_buffer_size
+    oldest_held = max(count - capacity, 0)
+    if since_count < oldest_held:
+        warnings.warn(
+            f"{oldest_held - since_count} overflow events were overwritten in "
+            f"the ring buffer (capacity event_buffer_size={capacity}) before "
+            "they were read. Read events more often or raise "
+            f"`event_buffer_size`. Received: since_count={since_count}, "
+            f"overflow_count={count}",
+            stacklevel=2,
+        )
+        since_count = oldest_held
+    paths = tracked_variable_paths(optimizer)
+    steps = optimizer.event_steps.numpy()
+    before = optimizer.event_scales_before.numpy()
+    after = optimizer.event_scales_after.numpy()
+    has_nan = optimizer.event_has_nan.numpy()
+    masks = optimizer.event_variable_masks.numpy()
+    events = []
+    for index in range(since_count + 1, count + 1):
+        slot = (index - 1) % capacity
+        events.append(
+            {
+                "index": index,
+                "step": int(steps[slot]),
+                "scale_before": float(before[slot]),
+                "scale_after": float(after[slot]),
+                "has_nan": bool(has_nan[slot]),
+                "variables": [p for p, m in zip(paths, masks[slot], strict=True) if m],
+            }
+        )
+    return events

@@ -1,0 +1,108 @@
+"""The loss-scale state machine: growth, backoff with hysteresis, the floor.
+
+Runs inside the compiled train step. Growth and backoff are written with
+`tf.where` rather than `tf.cond`: a few scalar ops are cheaper than a branch.
+"""
+
+import functools
+import warnings
+
+import tensorflow as tf
+
+_FLOOR_ADVICE = (
+    "The loss scale cannot back off any further, so steps like this one will "
+    "keep being skipped. Try: a lower learning rate or gradient clipping on the "
+    "inner optimizer; finding the layer responsible with "
+    "`optimizer.overflow_summary()['by_variable']` (or the AMPMonitor callback) "
+    "and keeping it in float32; the `mixed_bfloat16` policy, which has "
+    "float32's exponent range; or a lower `min_scale`."
+)
+_RAISE_TEMPLATE = (
+    "LossScaleOptimizer: gradients overflowed at step {} while the loss scale "
+    "was already at its floor (loss scale {}, min_scale={}). "
+    + _FLOOR_ADVICE
+    + " Pass on_min_scale='warn' or 'ignore' to keep training anyway."
+)
+
+
+def _scale_is_fixed(optimizer) -> bool:
+    return optimizer.min_scale == optimizer.max_scale
+
+
+def after_finite_step(optimizer) -> None:
+    """Count a finite step; grow the scale after `dynamic_growth_steps` of them."""
+    if _scale_is_fixed(optimizer):
+        return
+    counter = tf.convert_to_tensor(optimizer.step_counter)
+    scale = tf.convert_to_tensor(optimizer.dynamic_scale)
+    ready = counter >= optimizer.dynamic_growth_steps - 1
+    grown = tf.minimum(scale * optimizer.growth_factor, optimizer.max_scale)
+    optimizer.dynamic_scale.assign(tf.where(ready, grown, scale))
+    optimizer.step_counter.assign(tf.where(ready, tf.zeros_like(counter), counter + 1))
+    if optimizer.hysteresis > 1:
+        since = tf.convert_to_tensor(optimizer.overflows_since_scale_change)
+        optimizer.overflows_since_scale_change.assign(
+            tf.where(ready, tf.zeros_like(since), since)
+        )
+
+
+def after_skipped_step(optimizer, scale_before):
+    """Back off on the `hysteresis`-th overflow since the last scale change.
+
+    Returns:
+        The float32 scale after this step.
+    """
+    since = optimizer.overflows_since_scale_change + 1
+    back_off = since >= optimizer.hysteresis
+    backed_off = tf.maximum(
+        scale_before * optimizer.backoff_factor, optimizer.min_scale
+    )
+    scale_after = tf.where(back_off, backed_off, scale_before)
+    optimizer.dynamic_scale.assign(scale_after)
+    optimizer.step_counter.assign(tf.zeros_like(optimizer.step_counter))
+    optimizer.overflows_since_scale_change.assign(
+        tf.where(back_off, tf.zeros_like(since), since)
+    )
+    return scale_after
+
+
+def act_at_floor(optimizer, step, scale_before) -> None:
+    """Apply `on_min_scale` when an overflow hits a scale already at its floor.
+
+    "raise" fails the step with `tf.errors.InvalidArgumentError` carrying the
+    message; "warn" calls back to Python only on that rare event, once per
+    optimizer; "ignore" adds nothing to the graph.
+    """
+    mode = optimizer.on_min_scale
+    if mode == "ignore":
+        return
+    at_floor = scale_before <= optimizer.min_scale
+    if mode == "raise":
+        message = tf.strings.format(
+            _RAISE_TEMPLATE, (step, scale_before, optimizer.min_scale)
+        )
+        tf.debugging.Assert(tf.logical_not(at_floor), [message])
+        return
+    warn = functools.partial(_warn_once, optimizer)
+    tf.cond(
+        at_floor,
+        lambda: tf.py_function(warn, [step, scale_before], Tout=tf.bool),
+        lambda: tf.constant(False),
+    )
+
+
+def _warn_once(optimizer, step, scale_before):
+    if optimizer._warned_at_min_scale:
+        return False
+    optimizer._warned_at_min_scale = True
+    warnings.warn(
+        "LossScaleOptimizer: gradients overflowed at step "
+        f"{int(step)} while the loss scale was already at its floor (loss "
+        f"scale {float(scale_before)}, min_scale={optimizer.min_scale}). "
+        + _FLOOR_ADVICE
+        + " This warning is shown once; pass on_min_scale='raise' to stop "
+        "training instead.",
+        UserWarning,
+        stacklevel=1,
+    )
+    return True

@@ -1,0 +1,200 @@
+"""A loss scaler that records every overflow, has a floor and a ceiling."""
+
+import keras
+
+from keras_amp_plus.optimizers import _apply_step, _arguments, _overflow_records
+
+
+@keras.saving.register_keras_serializable(package="keras_amp_plus")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Dynamic loss scaling that records every skipped step and its cause.
+
+    A subclass of `keras.optimizers.LossScaleOptimizer`, so `model.compile`
+    under `mixed_float16` uses it as is. With the new arguments at their
+    defaults it behaves like Keras's scaler, except that the scale stays in
+    `[min_scale, max_scale]`. Each step, inside the compiled train step:
+
+    ```
+    if every gradient is finite:
+        apply(gradients / scale); good_steps += 1
+        if good_steps == dynamic_growth_steps:
+            scale = min(scale * growth_factor, max_scale)
+            good_steps = 0; overflows = 0
+    else:                                   # the step is skipped
+        record the event; good_steps = 0; overflows += 1
+        if scale <= min_scale: on_min_scale ("raise" | "warn" | "ignore")
+        if overflows == hysteresis:
+            scale = max(scale * backoff_factor, min_scale); overflows = 0
+    ```
+
+    A skipped step leaves the weights and the inner optimizer's slots and
+    `iterations` untouched. Unlike DeepSpeed/Megatron, whose hysteresis stays
+    spent after the first backoff, the overflow count restarts after every
+    backoff, so each backoff takes `hysteresis` overflows.
+
+    Records, all optimizer variables (saved with checkpoints and `.keras`
+    files): `overflow_count`, `nan_steps`, `inf_steps` (Inf but no NaN),
+    `last_step_skipped`, `total_steps` (every `apply()`), per-variable
+    `variable_overflow_counts`, and a ring buffer of the last
+    `event_buffer_size` events (`event_steps`, `event_scales_before`,
+    `event_scales_after`, `event_has_nan`, `event_variable_masks`). Read them
+    with `overflow_summary()` and `read_events()`.
+
+    For bfloat16, which has float32's exponent range, use the guard mode
+    `LossScaleOptimizer.guard(inner_optimizer)`: the scale is fixed at 1 and
+    never grows, every non-finite step is skipped and recorded.
+
+    Args:
+        inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
+        initial_scale: float in `[min_scale, max_scale]`. Defaults to `2**15`.
+        dynamic_growth_steps: int >= 1, finite steps between growths.
+            Defaults to `2000`.
+        growth_factor: float >= 1, applied on growth. Defaults to `2.0`.
+        backoff_factor: float in (0, 1), applied on backoff. Defaults to `0.5`.
+        min_scale: positive float, the floor. Defaults to `1.0`.
+        max_scale: float >= min_scale, the ceiling. Defaults to `2**24`.
+        hysteresis: int >= 1, overflows since the last scale change needed
+            to back off (every overflow step is skipped). Defaults to `1`.
+        on_min_scale: what an overflow at the floor does: `"raise"` stops
+            training with `tf.errors.InvalidArgumentError` naming the scale, the
+            step and what to try; `"warn"` warns once and goes on; `"ignore"`.
+            Defaults to `"warn"`.
+        event_buffer_size: int >= 1, capacity of the event ring buffer.
+            Defaults to `64`.
+        name: optional name. Defaults to `None`.
+
+    Example:
+    >>> import keras, keras_amp_plus
+    >>> opt = keras_amp_plus.optimizers.LossScaleOptimizer(
+    ...     keras.optimizers.SGD(0.1), initial_scale=8.0, min_scale=2.0)
+    >>> v = keras.Variable([1.0])
+    >>> opt.apply([keras.ops.array([float("inf")])], [v])
+    >>> opt.overflow_summary()["overflow_count"], float(v.numpy()[0])
+    (1, 1.0)
+    >>> opt.overflow_summary()["loss_scale"]
+    4.0
+
+    Reference:
+        Micikevicius et al., "Mixed Precision Training", ICLR 2018.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        initial_scale: float = 2.0**15,
+        dynamic_growth_steps: int = 2000,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        hysteresis: int = 1,
+        on_min_scale: str = "warn",
+        event_buffer_size: int = 64,
+        name: str | None = None,
+        **kwargs,
+    ):
+        _arguments.check_inner_optimizer(inner_optimizer)
+        _arguments.check_scale_bounds(initial_scale, min_scale, max_scale)
+        _arguments.check_schedule(
+            growth_factor, backoff_factor, dynamic_growth_steps, hysteresis
+        )
+        _arguments.check_on_min_scale(on_min_scale)
+        _arguments.check_event_buffer_size(event_buffer_size)
+        super().__init__(
+            inner_optimizer,
+            initial_scale=float(initial_scale),
+            dynamic_growth_steps=int(dynamic_growth_steps),
+            name=name,
+            **kwargs,
+        )
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.min_scale = float(min_scale)
+        self.max_scale = float(max_scale)
+        self.hysteresis = int(hysteresis)
+        self.on_min_scale = on_min_scale
+        self.event_buffer_size = int(event_buffer_size)
+        self._warned_at_min_scale = False
+
+    @classmethod
+    def guard(
+        cls,
+        inner_optimizer: keras.optimizers.Optimizer,
+        event_buffer_size: int = 64,
+        name: str | None = None,
+    ) -> "LossScaleOptimizer":
+        """Return a pure guard for bfloat16: scale fixed at 1, no growth.
+
+        Every non-finite step is skipped and recorded; nothing else changes
+        (the loss is not multiplied, the gradients are not divided). It is
+        `LossScaleOptimizer(inner, initial_scale=1, min_scale=1, max_scale=1,
+        on_min_scale="ignore")`, and round-trips through `get_config` as such.
+
+        Args:
+            inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
+            event_buffer_size: capacity of the event ring buffer. Defaults
+                to `64`.
+            name: optional name. Defaults to `None`.
+        """
+        return cls(
+            inner_optimizer,
+            initial_scale=1.0,
+            min_scale=1.0,
+            max_scale=1.0,
+            on_min_scale="ignore",
+            event_buffer_size=event_buffer_size,
+            name=name,
+        )
+
+    def build(self, var_list):
+        """Create Keras's scaler state, the inner slots and the overflow records."""
+        super().build(var_list)
+        self._tracked = _overflow_records.TrackedVariables(var_list)
+        _overflow_records.build_overflow_records(self, var_list)
+
+    def apply(self, grads, trainable_variables=None):
+        """Apply the unscaled gradients, or skip the step and record why."""
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        _apply_step.apply_step(self, grads, trainable_variables)
+
+    def scale_loss(self, loss):
+        """Multiply the loss by the current scale (a no-op in guard mode)."""
+        if self.min_scale == self.max_scale == 1.0:
+            return loss
+        return super().scale_loss(loss)
+
+    def overflow_summary(self) -> dict:
+        """Return counts, current scale and per-variable overflow counts."""
+        return _overflow_records.overflow_summary(self)
+
+    def tracked_variable_paths(self) -> list:
+        """Return variable paths in the order of the per-variable records."""
+        return _overflow_records.tracked_variable_paths(self)
+
+    def read_events(self, since_count: int = 0) -> list:
+        """Return the overflow events with index greater than `since_count`.
+
+        Each event is a dict with `index`, `step`, `scale_before`,
+        `scale_after`, `has_nan` and `variables` (paths). Warns when events
+        were overwritten before being read.
+        """
+        return _overflow_records.read_events(self, since_count)
+
+    def get_config(self):
+        """Return Keras's config plus every argument this subclass adds."""
+        config = super().get_config()
+        config.update(
+            {
+                "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor,
+                "min_scale": self.min_scale,
+                "max_scale": self.max_scale,
+                "hysteresis": self.hysteresis,
+                "on_min_scale": self.on_min_scale,
+                "event_buffer_size": self.event_buffer_size,
+            }
+        )
+        return config

@@ -1,0 +1,64 @@
+"""What every engine shares: the interface and rebuilding a model's functions.
+
+TF optimizes a `tf.function` once, when it is instantiated, and caches it; a
+changed dtype policy or list does nothing to a `train_function` that already
+exists. So after any change an engine rebuilds the model's cached functions
+with `make_*_function(force=True)`. It never sets `train_function = None`:
+`fit` built the function once and calls `model.train_function` every step, so
+replacing it is safe between epochs, deleting it is not.
+"""
+
+import warnings
+
+from keras_amp_plus.engines.op_types import op_types_for_layer
+
+
+def rebuild_functions(model) -> None:
+    """Rebuild the model's train function, and its test/predict ones if built.
+
+    Args:
+        model: a compiled Keras model (an uncompiled model has no train
+            function; only existing test/predict functions are rebuilt then).
+    """
+    if getattr(model, "compiled", False) or model.train_function is not None:
+        model.make_train_function(force=True)
+    if model.test_function is not None:
+        model.make_test_function(force=True)
+    if model.predict_function is not None:
+        model.make_predict_function(force=True)
+
+
+def warn_if_xla(model, engine_name: str) -> None:
+    """Warn that XLA-compiled functions bypass graph rewrites."""
+    if getattr(model, "jit_compile", False):
+        warnings.warn(
+            f"Model {model.name!r} is compiled with `jit_compile=True`: grappler "
+            f"skips XLA functions, so the {engine_name!r} engine's op lists have "
+            "no effect. Compile with `jit_compile=False`, or use engine='keras'.",
+            stacklevel=3,
+        )
+
+
+class Engine:
+    """Where `PrecisionLists` take effect.
+
+    Subclasses set `name` and `level` ("layer" or "op") and implement `apply`
+    and `restore`.
+    """
+
+    name = "engine"
+    level = "op"
+
+    def apply(self, model, lists) -> None:
+        """Make `lists` take effect for `model`, then rebuild its functions."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        """Put back the global state this engine changed (nothing by default)."""
+
+    def op_types_for_layer(self, layer) -> tuple:
+        """Return the op types a graph engine uses for `layer`."""
+        return op_types_for_layer(layer)
+
+    def __repr__(self):
+        return f"<{type(self).__name__} name={self.name!r} level={self.level!r}>"

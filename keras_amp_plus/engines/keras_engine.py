@@ -1,0 +1,126 @@
+"""The `keras` engine: layer lists as per-layer Keras dtype policies.
+
+deny -> `"float32"`; allow -> the mixed policy (the model's, else a layer's,
+else the global one when it is mixed, else `"mixed_bfloat16"`); a layer in
+neither list gets back the policy it had before this engine first touched it,
+so moves are reversible. The policy is part of each layer's config, so the
+choice survives `model.save` / `keras.saving.load_model`.
+
+Policies are swapped with the `layer.dtype_policy` setter: variables stay as
+they are (float32 / mixed_bfloat16 / mixed_float16 all keep float32 variables).
+"""
+
+from keras_amp_plus import _compat
+from keras_amp_plus.engines import layer_matching
+from keras_amp_plus.engines.base import Engine, rebuild_functions
+
+DEFAULT_MIXED_POLICY = "mixed_bfloat16"
+
+
+def is_mixed(policy) -> bool:
+    """Return True for a policy computing in 16 bits on float32 variables."""
+    policy = _compat.dtype_policy(policy)
+    return policy.compute_dtype in ("bfloat16", "float16") and (
+        policy.variable_dtype == "float32"
+    )
+
+
+def model_uses_mixed_policy(model) -> bool:
+    """Return True when the global policy or any of the model's layers is mixed."""
+    layers = [model, *layer_matching.candidate_layers(model)]
+    return is_mixed(_compat.global_policy()) or any(
+        is_mixed(layer.dtype_policy) for layer in layers
+    )
+
+
+class KerasEngine(Engine):
+    """Apply layer lists through Keras dtype policies.
+
+    Op lists (`allow_ops`, ...) have no meaning at layer level: `apply` rejects
+    them. `restore()` touches nothing, since the per-layer choice is meant to
+    outlive training (it is saved with the model); `apply(model,
+    PrecisionLists())` puts every layer back to its original policy.
+
+    Example:
+    >>> import keras
+    >>> from keras_amp_plus import PrecisionLists
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> KerasEngine().apply(model, PrecisionLists(allow_layers=("Dense",)))
+    >>> model.layers[0].compute_dtype
+    'bfloat16'
+    """
+
+    name = "keras"
+    level = "layer"
+
+    def __init__(self):
+        self._original_policies = {}
+
+    def mixed_policy(self, model):
+        """Return the policy allowed layers get (see the module docstring)."""
+        originals = [policy for _, policy in self._original_policies.values()]
+        layers = layer_matching.candidate_layers(model)
+        candidates = [
+            model.dtype_policy,
+            *originals,
+            *(layer.dtype_policy for layer in layers),
+            _compat.global_policy(),
+        ]
+        for policy in candidates:
+            if is_mixed(policy):
+                return _compat.dtype_policy(policy.name)
+        return _compat.dtype_policy(DEFAULT_MIXED_POLICY)
+
+    def apply(self, model, lists) -> None:
+        """Set every listed layer's dtype policy, then rebuild the functions."""
+        op_entries = {
+            field: getattr(lists, field)
+            for field in ("allow_ops", "infer_ops", "clear_ops", "deny_ops")
+            if getattr(lists, field)
+        }
+        if op_entries:
+            raise ValueError(
+                "The 'keras' engine works on layers; op-type lists need a graph "
+                "engine. Use engine='grappler' (or 'itex'), or move the entries "
+                f"to `allow_layers`/`deny_layers`. Received: {op_entries}"
+            )
+        decisions = layer_matching.layer_decisions(
+            model, lists.allow_layers, lists.deny_layers
+        )
+        mixed = self.mixed_policy(model)
+        float32 = _compat.dtype_policy("float32")
+        for layer in layer_matching.candidate_layers(model):
+            if id(layer) in decisions:
+                _, kind = decisions[id(layer)]
+                self._original_policies.setdefault(
+                    id(layer), (layer, layer.dtype_policy)
+                )
+                self._set_policy(layer, float32 if kind == "deny" else mixed)
+            elif id(layer) in self._original_policies:
+                _, original = self._original_policies.pop(id(layer))
+                self._set_policy(layer, original)
+        rebuild_functions(model)
+
+    @staticmethod
+    def _set_policy(layer, policy) -> None:
+        if layer.dtype_policy.name != policy.name:
+            layer.dtype_policy = policy
+
+
+def layer_precisions(model) -> list:
+    """Return one dict per computing layer: name, path, class, dtypes."""
+    rows = []
+    for layer in layer_matching.candidate_layers(model):
+        policy = layer.dtype_policy
+        rows.append(
+            {
+                "name": layer.name,
+                "path": _compat.layer_path(layer),
+                "class_name": type(layer).__name__,
+                "policy": policy.name,
+                "compute_dtype": policy.compute_dtype,
+                "variable_dtype": policy.variable_dtype,
+                "low_precision": policy.compute_dtype in ("bfloat16", "float16"),
+            }
+        )
+    return rows

@@ -1,0 +1,103 @@
+"""Op-level placements and the ADD/REMOVE list fields graph engines consume.
+
+Grappler and ITEX read each list as "defaults + ADD - REMOVE", and both reject
+(or silently skip the rewrite on) an op type that ends up in two lists. So every
+ADD to one list is paired with a REMOVE from the three others:
+
+    fields = base                       # what the user had set before
+    for op, list in placements:
+        add op to    <list>_add,   drop it from <list>_remove
+        add op to    <other>_remove, drop it from <other>_add   (3 other lists)
+
+Op types the placements do not mention keep the user's base setting.
+"""
+
+import warnings
+
+from keras_amp_plus.engines import layer_matching
+from keras_amp_plus.engines.op_types import op_types_for_layer
+
+LIST_NAMES = ("allow", "infer", "clear", "deny")
+FIELD_NAMES = tuple(
+    f"{name}list_{action}" for name in LIST_NAMES for action in ("add", "remove")
+)
+
+
+def _split(value) -> list:
+    return [name.strip() for name in (value or "").split(",") if name.strip()]
+
+
+def merge_list_fields(base, placements) -> dict:
+    """Return the eight `<list>list_{add,remove}` fields for some placements.
+
+    A pure function shared by the grappler engine (environment variables) and
+    the ITEX engine (`AutoMixedPrecisionOptions` fields).
+
+    Args:
+        base: mapping from field name (`"denylist_add"`, ...) to the
+            comma-separated op types already set; missing fields are empty.
+        placements: mapping from op type to the list it must be in ("allow",
+            "infer", "clear" or "deny").
+
+    Returns:
+        A dict with all eight field names, each a comma-separated string.
+
+    Example:
+    >>> fields = merge_list_fields({"denylist_add": "Pow"}, {"MatMul": "deny"})
+    >>> fields["denylist_add"], fields["allowlist_remove"]
+    ('Pow,MatMul', 'MatMul')
+    """
+    fields = {field: _split(base.get(field)) for field in FIELD_NAMES}
+    for op_type, target in placements.items():
+        if target not in LIST_NAMES:
+            raise ValueError(
+                f"Op type {op_type!r} is placed in an unknown list. Expected one "
+                f"of {list(LIST_NAMES)}. Received: {op_type}={target!r}"
+            )
+        for name in LIST_NAMES:
+            keep, drop = ("add", "remove") if name == target else ("remove", "add")
+            if op_type not in fields[f"{name}list_{keep}"]:
+                fields[f"{name}list_{keep}"].append(op_type)
+            if op_type in fields[f"{name}list_{drop}"]:
+                fields[f"{name}list_{drop}"].remove(op_type)
+    return {field: ",".join(names) for field, names in fields.items()}
+
+
+def _layer_placements(model, lists) -> dict:
+    """Translate layer decisions to op types: deny wins over allow."""
+    placements = {}
+    decisions = layer_matching.layer_decisions(
+        model, lists.allow_layers, lists.deny_layers
+    )
+    for layer, kind in decisions.values():
+        layer_op_types = op_types_for_layer(layer)
+        if not layer_op_types and not layer_matching.candidate_layers(layer):
+            warnings.warn(
+                f"Layer {layer.name!r} ({type(layer).__name__}) has no op-type "
+                "mapping, so a graph engine cannot place it in a list. List its "
+                "op types in `allow_ops`/`deny_ops`, or use engine='keras'.",
+                stacklevel=4,
+            )
+        for op_type in layer_op_types:
+            if placements.get(op_type) != "deny":
+                placements[op_type] = kind
+    return placements
+
+
+def op_placements(model, lists) -> dict:
+    """Return `{op type: list name}` for a graph engine.
+
+    Layer entries are translated with `op_types_for_layer` (when one op type
+    comes from both an allowed and a denied layer, deny wins, because graph
+    lists cannot tell two layers' MatMuls apart); explicit op entries then win
+    over translated ones.
+
+    Args:
+        model: the Keras model the layer entries refer to.
+        lists: a `PrecisionLists`.
+    """
+    placements = _layer_placements(model, lists)
+    for name in LIST_NAMES:
+        for op_type in getattr(lists, f"{name}_ops"):
+            placements[op_type] = name
+    return placements

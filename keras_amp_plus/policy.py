@@ -1,0 +1,253 @@
+"""`PrecisionLists`: which layers and op types run in low precision.
+
+An immutable value (like jmp's `Policy`): every update returns a new object, so
+a callback can keep the lists of each epoch and `diff` them.
+
+Two levels, one object:
+
+- layer level, `allow_layers` / `deny_layers`: layer names, layer paths, layer
+  class names or regular expressions (full match on name or path). The `keras`
+  engine turns them into per-layer dtype policies (deny -> float32, allow ->
+  the mixed policy); graph engines translate them to op types
+  (`keras_amp_plus.engines.op_types_for_layer`).
+- op level, `allow_ops` / `infer_ops` / `clear_ops` / `deny_ops`: TensorFlow op
+  types, the vocabulary of grappler's and ITEX's auto mixed precision. ALLOW is
+  always low precision, INFER follows its inputs unless fed by a DENY op, CLEAR
+  follows its neighbours, DENY stays float32.
+"""
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+
+from keras_amp_plus.engines import layer_matching, op_types
+
+LAYER_FIELDS = ("allow_layers", "deny_layers")
+OP_FIELDS = ("allow_ops", "infer_ops", "clear_ops", "deny_ops")
+_ENV_PREFIXES = (
+    "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_",
+    "ITEX_AUTO_MIXED_PRECISION_",
+)
+
+
+def _as_names(value, field: str) -> tuple:
+    """Normalize a str or an iterable of str to a tuple without duplicates."""
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Iterable):
+        raise TypeError(
+            f"`{field}` must be a tuple of strings. Received: {field}={value!r}"
+        )
+    names = []
+    for name in value:
+        if not isinstance(name, str) or not name.strip():
+            raise TypeError(
+                f"`{field}` must hold non-empty strings. Received: {field}={value!r}"
+            )
+        names.append(name.strip())
+    return tuple(dict.fromkeys(names))
+
+
+def _check_disjoint(lists, fields) -> None:
+    """Raise ValueError when a name sits in two lists of the same level."""
+    seen = {}
+    for field in fields:
+        for name in getattr(lists, field):
+            if name in seen:
+                raise ValueError(
+                    f"{name!r} is in both `{seen[name]}` and `{field}`; a name "
+                    "can be in one list only. Use `move_layers` / `move_ops` to "
+                    f"move it. Received: {seen[name]}="
+                    f"{getattr(lists, seen[name])!r}, {field}="
+                    f"{getattr(lists, field)!r}"
+                )
+            seen[name] = field
+
+
+def _check_regexes(entries, field: str) -> None:
+    for entry in entries:
+        try:
+            re.compile(entry)
+        except re.error as error:
+            raise ValueError(
+                f"`{field}` entry {entry!r} is not a valid regular expression "
+                f"({error}). Layer entries are names, paths, class names or "
+                "regular expressions; escape special characters with "
+                f"`re.escape`. Received: {field}={entries!r}"
+            ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionLists:
+    """Allow/deny lists for layers and op types, as an immutable value.
+
+    Args:
+        allow_layers: layers that run in the mixed (low-precision) policy.
+            Defaults to `()`.
+        deny_layers: layers kept in float32. Defaults to `()`.
+        allow_ops: op types always converted to low precision. Defaults to `()`.
+        infer_ops: op types converted unless fed by a denied op. Defaults to `()`.
+        clear_ops: op types that follow their neighbours. Defaults to `()`.
+        deny_ops: op types kept in float32. Defaults to `()`.
+
+    Example:
+    >>> lists = PrecisionLists(deny_layers=("LayerNormalization",))
+    >>> lists = lists.move_ops(["Softmax"], to="deny")
+    >>> lists.deny_ops
+    ('Softmax',)
+    >>> PrecisionLists.from_json(lists.to_json()) == lists
+    True
+    """
+
+    allow_layers: tuple = ()
+    deny_layers: tuple = ()
+    allow_ops: tuple = ()
+    infer_ops: tuple = ()
+    clear_ops: tuple = ()
+    deny_ops: tuple = ()
+
+    def __post_init__(self):
+        for field in LAYER_FIELDS + OP_FIELDS:
+            object.__setattr__(self, field, _as_names(getattr(self, field), field))
+        _check_disjoint(self, LAYER_FIELDS)
+        _check_disjoint(self, OP_FIELDS)
+        for field in LAYER_FIELDS:
+            _check_regexes(getattr(self, field), field)
+        for field in OP_FIELDS:
+            op_types.check_op_types(getattr(self, field), field)
+
+    def replace(self, **changes) -> "PrecisionLists":
+        """Return a copy with some fields replaced (validated like the original)."""
+        return dataclasses.replace(self, **changes)
+
+    def _move(self, names, to: str, suffix: str, fields) -> "PrecisionLists":
+        target = f"{to}_{suffix}"
+        if target not in fields:
+            choices = [field.split("_")[0] for field in fields]
+            raise ValueError(f"`to` must be one of {choices}. Received: to={to!r}")
+        names = _as_names(names, "names")
+        changes = {
+            field: tuple(n for n in getattr(self, field) if n not in names)
+            for field in fields
+        }
+        changes[target] = changes[target] + names
+        return self.replace(**changes)
+
+    def move_layers(self, names, to: str) -> "PrecisionLists":
+        """Return new lists with `names` in the `to` layer list ("allow"/"deny")."""
+        return self._move(names, to, "layers", LAYER_FIELDS)
+
+    def move_ops(self, op_types, to: str) -> "PrecisionLists":
+        """Return new lists with `op_types` in the `to` op list.
+
+        `to` is "allow", "infer", "clear" or "deny"; the op types leave every
+        other op list.
+        """
+        return self._move(op_types, to, "ops", OP_FIELDS)
+
+    def layer_list_of(self, name: str):
+        """Return "allow", "deny" or None: the layer list holding `name`."""
+        for field in LAYER_FIELDS:
+            if name in getattr(self, field):
+                return field.split("_")[0]
+        return None
+
+    def op_list_of(self, op_type: str):
+        """Return "allow", "infer", "clear", "deny" or None for `op_type`."""
+        for field in OP_FIELDS:
+            if op_type in getattr(self, field):
+                return field.split("_")[0]
+        return None
+
+    def matching_layers(self, model) -> dict:
+        """Resolve every layer entry to the model's layers it matches.
+
+        Raises ValueError, naming close layer names, for an entry that matches
+        no layer.
+
+        Returns:
+            `{entry: [layer, ...]}` for the allow then the deny entries.
+        """
+        result = {}
+        for field in LAYER_FIELDS:
+            entries = getattr(self, field)
+            result.update(layer_matching.matching_layers(model, entries, field))
+        return result
+
+    def diff(self, other: "PrecisionLists") -> list:
+        """List the moves that turn `self` into `other`.
+
+        Returns:
+            `[{"kind": "layer" | "op", "name", "from", "to"}]`, where "from" and
+            "to" are list names ("allow", "deny", ...) or None (in no list).
+        """
+        changes = []
+        for kind, fields, list_of in (
+            ("layer", LAYER_FIELDS, "layer_list_of"),
+            ("op", OP_FIELDS, "op_list_of"),
+        ):
+            names = [n for f in fields for s in (self, other) for n in getattr(s, f)]
+            for name in dict.fromkeys(names):
+                before = getattr(self, list_of)(name)
+                after = getattr(other, list_of)(name)
+                if before != after:
+                    changes.append(
+                        {"kind": kind, "name": name, "from": before, "to": after}
+                    )
+        return changes
+
+    def to_markdown(self) -> str:
+        """Return the lists as a markdown table (for TensorBoard text)."""
+        rows = ["| list | entries |", "| --- | --- |"]
+        for field in LAYER_FIELDS + OP_FIELDS:
+            entries = ", ".join(f"`{n}`" for n in getattr(self, field)) or "-"
+            rows.append(f"| {field} | {entries} |")
+        return "\n".join(rows)
+
+    def get_config(self) -> dict:
+        """Return the lists as a JSON-friendly dict of lists."""
+        return {field: list(getattr(self, field)) for field in LAYER_FIELDS + OP_FIELDS}
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> "PrecisionLists":
+        """Rebuild lists from `get_config()`; unknown keys raise ValueError."""
+        unknown = sorted(set(config) - set(LAYER_FIELDS + OP_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"Unknown `PrecisionLists` config keys {unknown}; expected keys "
+                f"among {list(LAYER_FIELDS + OP_FIELDS)}. Received: config={config!r}"
+            )
+        return cls(**config)
+
+    def to_json(self) -> str:
+        """Return `get_config()` as a JSON string."""
+        return json.dumps(self.get_config(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "PrecisionLists":
+        """Rebuild lists from `to_json()`."""
+        return cls.from_config(json.loads(text))
+
+    @classmethod
+    def from_env(cls, environ: Mapping | None = None) -> "PrecisionLists":
+        """Read the op lists users already set for grappler or ITEX.
+
+        Reads the `*_ADD` variables `TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_
+        {ALLOWLIST,INFERLIST,CLEARLIST,DENYLIST}_ADD` and
+        `ITEX_AUTO_MIXED_PRECISION_{...}_ADD` (comma-separated op types). The
+        `*_REMOVE` variables have no list of their own here; graph engines keep
+        them in effect, since they start from the environment they find.
+
+        Args:
+            environ: mapping to read instead of `os.environ`. Defaults to None.
+        """
+        environ = os.environ if environ is None else environ
+        ops = {field: [] for field in OP_FIELDS}
+        for field in OP_FIELDS:
+            list_name = field.split("_")[0].upper() + "LIST_ADD"
+            for prefix in _ENV_PREFIXES:
+                value = environ.get(prefix + list_name, "")
+                ops[field].extend(n.strip() for n in value.split(",") if n.strip())
+        return cls(**ops)

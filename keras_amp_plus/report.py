@@ -1,0 +1,187 @@
+"""`precision_report`: what actually runs in low precision.
+
+Layer level (every engine): each layer's dtype policy and compute dtype.
+
+Op level (graph engines): grappler (and ITEX) write, per optimized function,
+`graphdef_preop_<function>_<stamp>.pb` (before) and
+`graphdef_AutoMixedPrecision_<function>_<stamp>.pb` (after the rewrite; absent
+when nothing was converted) into `*_AUTO_MIXED_PRECISION_*_LOG_PATH`, plus
+`paintbuckets_*.txt` (the final lists). A node counts as converted when its
+`T`/`dtype` attribute is bfloat16 (or float16) after the rewrite but was not
+before; Cast nodes the rewrite inserted (named `...-CastToBf16-...
+-AutoMixedPrecision`) are counted apart.
+"""
+
+import collections
+import glob
+import os
+import re
+
+import tensorflow as tf
+
+from keras_amp_plus.engines.base import Engine
+from keras_amp_plus.engines.grappler import GRAPPLER_OPTION, LOG_PATH_VARIABLE
+from keras_amp_plus.engines.keras_engine import layer_precisions
+from keras_amp_plus.engines.resolve import ENGINE_NAMES, auto_engine_name
+
+ITEX_LOG_PATH_VARIABLE = "ITEX_AUTO_MIXED_PRECISION_LOG_PATH"
+_DUMP_NAME = re.compile(
+    r"graphdef_AutoMixedPrecision_(?P<function>.+)_(?P<stamp>\d+)\.pb"
+)
+_LOW_PRECISION = {tf.bfloat16.as_datatype_enum, tf.float16.as_datatype_enum}
+_TYPE_ATTRIBUTES = ("T", "dtype")
+
+
+def _read_graph(path: str):
+    graph = tf.compat.v1.GraphDef()
+    with open(path, "rb") as file:
+        graph.ParseFromString(file.read())
+    return graph
+
+
+def _is_low_precision(node) -> bool:
+    for name in _TYPE_ATTRIBUTES:
+        if name in node.attr:
+            value = node.attr[name]
+            if value.type in _LOW_PRECISION or _LOW_PRECISION & set(value.list.type):
+                return True
+    return False
+
+
+def _read_paint_buckets(path: str) -> dict:
+    buckets, current = {}, None
+    with open(path) as file:
+        for line in file:
+            line = line.strip()
+            if line.endswith("List:"):
+                current = buckets.setdefault(line[: -len("List:")].lower(), [])
+            elif line and current is not None:
+                current.append(line)
+    return buckets
+
+
+def summarize_dump(path: str) -> dict:
+    """Count what one rewritten graph converted.
+
+    Args:
+        path: a `graphdef_AutoMixedPrecision_*.pb` file.
+
+    Returns:
+        `{"function", "file", "is_train", "num_nodes", "num_converted",
+        "converted_by_op", "num_casts_inserted", "lists"}`.
+    """
+    directory, name = os.path.split(path)
+    match = _DUMP_NAME.fullmatch(name)
+    after = _read_graph(path)
+    preop = os.path.join(directory, name.replace("_AutoMixedPrecision_", "_preop_"))
+    already_low = set()
+    if os.path.exists(preop):
+        already_low = {n.name for n in _read_graph(preop).node if _is_low_precision(n)}
+    converted, casts_inserted = collections.Counter(), 0
+    for node in after.node:
+        if node.op == "Cast" and node.name.endswith("AutoMixedPrecision"):
+            casts_inserted += 1
+        elif _is_low_precision(node) and node.name not in already_low:
+            converted[node.op] += 1
+    buckets = os.path.join(directory, "paintbuckets" + name[len("graphdef") : -3])
+    return {
+        "function": match["function"],
+        "file": path,
+        "stamp": int(match["stamp"]),
+        "is_train": any("gradient_tape/" in node.name for node in after.node),
+        "num_nodes": len(after.node),
+        "num_converted": sum(converted.values()),
+        "converted_by_op": dict(sorted(converted.items())),
+        "num_casts_inserted": casts_inserted,
+        "lists": _read_paint_buckets(buckets + ".txt")
+        if os.path.exists(buckets + ".txt")
+        else {},
+    }
+
+
+def read_rewrite_dump(dump_dir: str) -> dict:
+    """Summarize every rewritten function in a graph-dump directory.
+
+    Returns:
+        `{"dump_dir", "functions": [...], "train": <latest train function or
+        None>}`; a function whose rewrite converted nothing has no dump, so an
+        empty `functions` means nothing was converted.
+    """
+    pattern = os.path.join(glob.escape(dump_dir), "graphdef_AutoMixedPrecision_*.pb")
+    functions = sorted(
+        (summarize_dump(path) for path in glob.glob(pattern)),
+        key=lambda record: record["stamp"],
+    )
+    trains = [record for record in functions if record["is_train"]]
+    return {
+        "dump_dir": dump_dir,
+        "functions": functions,
+        "train": trains[-1] if trains else None,
+    }
+
+
+def _engine_name(model, engine) -> str:
+    if isinstance(engine, Engine):
+        return engine.name
+    if engine is None:
+        options = tf.config.optimizer.get_experimental_options()
+        return "grappler" if options.get(GRAPPLER_OPTION) else "keras"
+    if engine not in ENGINE_NAMES:
+        raise ValueError(
+            f"`engine` must be one of {list(ENGINE_NAMES)}, an Engine or None. "
+            f"Received: engine={engine!r}"
+        )
+    return auto_engine_name(model) if engine == "auto" else engine
+
+
+def _dump_dir(name: str, engine, log_dir):
+    if log_dir is not None:
+        return log_dir
+    if getattr(engine, "dump_dir", None):
+        return engine.dump_dir
+    variable = ITEX_LOG_PATH_VARIABLE if name == "itex" else LOG_PATH_VARIABLE
+    if os.environ.get(variable):
+        return os.environ[variable]
+    raise ValueError(
+        f"The {name!r} engine's report reads the rewrite's graph dump, but no "
+        f"dump directory is known. Pass the engine object that trained the "
+        f"model, `log_dir=`, or set `{variable}` before training. "
+        f"Received: engine={engine!r}, log_dir=None"
+    )
+
+
+def precision_report(model, engine=None, log_dir: str | None = None) -> dict:
+    """Report what runs in low precision for `model`.
+
+    Args:
+        model: a Keras model.
+        engine: an Engine (its `dump_dir` is read), an engine name, or None
+            ("grappler" when its rewrite is switched on, else "keras").
+            Defaults to None.
+        log_dir: graph-dump directory to read for graph engines. Defaults to
+            None (the engine's `dump_dir`, else the `*_LOG_PATH` variable).
+
+    Returns:
+        `{"engine", "model", "layers": [...], "num_layers",
+        "num_low_precision_layers", "jit_compile"}` plus, for graph engines,
+        `"graph"` as returned by `read_rewrite_dump`.
+
+    Example:
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> precision_report(model, "keras")["num_low_precision_layers"]
+    0
+    """
+    name = _engine_name(model, engine)
+    layers = layer_precisions(model)
+    report = {
+        "engine": name,
+        "model": model.name,
+        "layers": layers,
+        "num_layers": len(layers),
+        "num_low_precision_layers": sum(row["low_precision"] for row in layers),
+        "jit_compile": bool(getattr(model, "jit_compile", False)),
+    }
+    if name != "keras":
+        report["graph"] = read_rewrite_dump(_dump_dir(name, engine, log_dir))
+    return report

@@ -1,0 +1,249 @@
+"""The doctor: CPU flag parsing, the recommendation, rendering, and a real run."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+import tensorflow as tf
+
+from keras_amp_plus import cpu_features, doctor, doctor_text, matmul_probe
+from keras_amp_plus.recommendation import recommend
+
+SAPPHIRE_RAPIDS = """\
+processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu vme avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu vme avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8
+"""
+GRANITE_RAPIDS_FLAGS = "flags\t\t: avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_fp16\n"
+SKYLAKE = "model name\t: Intel(R) Xeon(R) Gold 6148\nflags\t\t: fpu avx2 avx512f\n"
+GRAVITON = "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm sve\nCPU part\t: 0xd40\n"
+
+NO_FEATURES = dict.fromkeys(cpu_features.LOW_PRECISION_FLAGS, False)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            SAPPHIRE_RAPIDS,
+            {**NO_FEATURES, "amx_bf16": True, "avx512_bf16": True, "avx512_fp16": True},
+        ),
+        (GRANITE_RAPIDS_FLAGS, dict.fromkeys(NO_FEATURES, True)),
+        (SKYLAKE, NO_FEATURES),
+        (GRAVITON, NO_FEATURES),
+        ("", NO_FEATURES),
+    ],
+    ids=["sapphire_rapids", "granite_rapids", "skylake", "arm", "empty"],
+)
+def test_low_precision_features_from_cpuinfo_text(text, expected):
+    flags = cpu_features.parse_cpu_flags(text)
+    assert cpu_features.low_precision_features(flags) == expected
+
+
+def test_parse_cpu_flags_reads_arm_features_line():
+    assert {"asimd", "bf16", "sve"} <= cpu_features.parse_cpu_flags(GRAVITON)
+
+
+def test_parse_cpu_model():
+    assert cpu_features.parse_cpu_model(SKYLAKE) == "Intel(R) Xeon(R) Gold 6148"
+    assert cpu_features.parse_cpu_model(GRAVITON) is None
+
+
+def test_cpu_status_without_cpuinfo_reports_unknown(tmp_path):
+    status = doctor.cpu_status(str(tmp_path / "no_such_cpuinfo"))
+    assert status["features"] is None
+    assert status["model"] is None
+    assert cpu_features.has_any(status["features"], cpu_features.BFLOAT16_FLAGS) is None
+
+
+def test_cpu_status_reads_the_given_file(tmp_path):
+    path = tmp_path / "cpuinfo"
+    path.write_text(SAPPHIRE_RAPIDS)
+    status = doctor.cpu_status(str(path))
+    assert status["model"] == "Intel(R) Xeon(R) Platinum 8480+"
+    assert status["features"]["amx_bf16"] is True
+    assert status["features"]["amx_fp16"] is False
+
+
+def test_recommend_fast_bfloat16():
+    advice = recommend({"bfloat16": 4.3, "float16": 0.4})
+    assert advice["policy"] == "mixed_bfloat16"
+    assert advice["summary"] == (
+        "bfloat16 matmuls run 4.3x faster than float32 here: use mixed_bfloat16"
+    )
+    assert advice["warnings"] == []
+    assert advice["notes"] == [
+        "float16 matmuls run 2.5x slower than float32 here: use mixed_float16 to "
+        "test loss scaling, not for speed"
+    ]
+
+
+def test_recommend_warns_when_bfloat16_is_slower_without_hardware():
+    features = cpu_features.low_precision_features(
+        cpu_features.parse_cpu_flags(SKYLAKE)
+    )
+    advice = recommend({"bfloat16": 0.25, "float16": 0.2}, features=features)
+    assert advice["policy"] == "float32"
+    assert advice["summary"].startswith(
+        "WARNING: bfloat16 matmuls run 4.0x slower than float32 here: keep float32"
+    )
+    assert len(advice["warnings"]) == 1
+    assert "neither AMX-BF16 nor AVX512-BF16" in advice["warnings"][0]
+    assert "42422" in advice["warnings"][0]
+
+
+def test_recommend_slow_bfloat16_on_capable_cpu_blames_no_hardware():
+    advice = recommend({"bfloat16": 0.5}, features=dict.fromkeys(NO_FEATURES, True))
+    assert advice["policy"] == "float32"
+    assert advice["summary"].startswith("WARNING:")
+    assert advice["warnings"] == []
+
+
+def test_recommend_similar_speed_keeps_float32():
+    advice = recommend({"bfloat16": 1.05})
+    assert advice["policy"] == "float32"
+    assert "about as fast as float32 (1.05x)" in advice["summary"]
+    assert advice["notes"] == []
+
+
+def test_recommend_float16_only_when_clearly_fastest():
+    advice = recommend({"bfloat16": 1.3, "float16": 6.0})
+    assert advice["policy"] == "mixed_float16"
+    assert advice["summary"].startswith("float16 matmuls run 6.0x faster than float32")
+    assert "LossScaleOptimizer" in advice["summary"]
+    # Nearly equal speeds: bfloat16 wins because it needs no loss scaling.
+    assert recommend({"bfloat16": 4.0, "float16": 4.2})["policy"] == "mixed_bfloat16"
+
+
+def test_recommend_unmeasured_bfloat16():
+    advice = recommend({"bfloat16": None, "float16": None})
+    assert advice["policy"] == "float32"
+    assert "could not be measured" in advice["summary"]
+
+
+def test_recommend_warns_about_onednn_off_and_xla():
+    advice = recommend({"bfloat16": 4.0}, onednn=False, fit_uses_xla=True)
+    assert len(advice["warnings"]) == 2
+    assert "oneDNN is off" in advice["warnings"][0]
+    assert "jit_compile=False" in advice["warnings"][1]
+
+
+def _facts(features):
+    probe_results = {
+        "float32": {"wall_ms": 8.0, "cpu_ms": 16.0, "tflops": 0.27},
+        "bfloat16": {"wall_ms": 2.0, "cpu_ms": 4.0, "tflops": 1.07},
+        "float16": {"error": "NotFoundError: no kernel"},
+    }
+    matmul_probe._add_speedups(probe_results, "cpu_ms")
+    return {
+        "versions": {
+            "python": "3.11.7",
+            "tensorflow": "2.21.0",
+            "keras": "3.15.1",
+            "keras_backend": "tensorflow",
+            "keras_amp_plus": "0.1.0",
+            "itex": {"version": "2.15.0.0", "importable": False},
+        },
+        "onednn": {"enabled": True, "TF_ENABLE_ONEDNN_OPTS": None},
+        "cpu": {"system": "Darwin", "machine": "arm64", "model": None, **features},
+        "devices": [{"name": "/physical_device:CPU:0", "type": "CPU"}],
+        "xla": {"jit_compile": False},
+        "probe": {"size": 1024, "seconds": 2.0, "results": probe_results},
+        "recommendation": recommend({"bfloat16": 4.0}),
+    }
+
+
+def test_render_text():
+    text = doctor_text.render(_facts({"features": None}))
+    assert "CPU features    unknown (no /proc/cpuinfo on Darwin)" in text
+    assert "ITEX            2.15.0.0 (not importable on this stack)" in text
+    assert "oneDNN          on (TF_ENABLE_ONEDNN_OPTS unset, TF's default)" in text
+    assert "Devices         CPU:0" in text
+    assert "4.00x" in text  # bfloat16 row: 16 / 4 CPU ms
+    assert "float16     not available: NotFoundError" in text
+    assert text.endswith("use mixed_bfloat16")
+
+
+def test_probe_measures_every_dtype():
+    probe = matmul_probe.probe_matmul_throughput(seconds=0.3, size=128, rounds=3)
+    assert set(probe["results"]) == {"float32", "bfloat16", "float16"}
+    assert probe["results"]["float32"]["speedup_vs_float32"] == pytest.approx(1.0)
+    for result in probe["results"].values():
+        assert result["tflops"] > 0 and result["wall_ms"] > 0
+        assert 1 <= result["rounds"] <= 3
+
+
+def test_probe_rejects_non_positive_budget():
+    with pytest.raises(ValueError, match="Received: seconds=0"):
+        matmul_probe.probe_matmul_throughput(seconds=0)
+
+
+def _run_doctor(*args, env_updates=None):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env_updates or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "keras_amp_plus", "doctor", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_doctor_json_on_this_machine():
+    completed = _run_doctor("--json", "--probe-seconds", "0.5")
+    assert completed.returncode == 0, completed.stderr
+    facts = json.loads(completed.stdout)
+    assert set(facts) == {
+        "versions",
+        "onednn",
+        "cpu",
+        "devices",
+        "xla",
+        "probe",
+        "recommendation",
+    }
+    assert facts["versions"]["tensorflow"] == tf.__version__
+    assert facts["versions"]["keras"] == keras.__version__
+    assert facts["versions"]["keras_backend"] == "tensorflow"
+    physical = tf.config.list_physical_devices()
+    assert [d["name"] for d in facts["devices"]] == [d.name for d in physical]
+    accelerators = [d for d in physical if d.device_type != "CPU"]
+    assert facts["xla"]["jit_compile"] is bool(accelerators)
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as cpuinfo:
+            words = set(cpuinfo.read().split())
+        assert facts["cpu"]["features"]["amx_bf16"] is ("amx_bf16" in words)
+        assert facts["cpu"]["features"]["avx512_bf16"] is ("avx512_bf16" in words)
+    results = facts["probe"]["results"]
+    assert results["float32"]["speedup_vs_float32"] == pytest.approx(1.0)
+    assert 0 < results["bfloat16"]["tflops"] < 1000
+    assert facts["recommendation"]["policy"] in (
+        "float32",
+        "mixed_bfloat16",
+        "mixed_float16",
+    )
+
+
+@pytest.mark.parametrize("setting, expected", [("0", False), ("1", True)])
+def test_onednn_status_follows_env(setting, expected):
+    code = "from keras_amp_plus import doctor; print(doctor.onednn_status())"
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": setting}
+    completed = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    status = ast.literal_eval(completed.stdout.strip())
+    assert status == {"enabled": expected, "TF_ENABLE_ONEDNN_OPTS": setting}

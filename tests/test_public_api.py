@@ -1,0 +1,143 @@
+"""The public surface: exported names import, no private imports, doctests pass."""
+
+import ast
+import doctest
+import importlib
+import pathlib
+
+import pytest
+
+import keras_amp_plus
+
+PACKAGE_DIR = pathlib.Path(keras_amp_plus.__file__).parent
+SOURCE_FILES = sorted(PACKAGE_DIR.rglob("*.py"))
+
+
+def _module_name(path: pathlib.Path) -> str:
+    # Names come from the file tree, not from importing: a module that fails to
+    # import must fail its own tests, not the collection of this file.
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_public(module_name: str) -> bool:
+    return not any(part.startswith("_") for part in module_name.split("."))
+
+
+PUBLIC_MODULES = sorted(
+    name for name in map(_module_name, SOURCE_FILES) if _is_public(name)
+)
+PACKAGES = sorted(
+    _module_name(path)
+    for path in SOURCE_FILES
+    if path.name == "__init__.py" and _is_public(_module_name(path))
+)
+
+# The names agreed between the parts (see the interfaces document); users and
+# the demo, notebook and README depend on them.
+CONTRACT_NAMES = {
+    "keras_amp_plus": ("PrecisionLists", "precision_report"),
+    "keras_amp_plus.layers": ("LayerNormalization", "InstanceNormalization", "Swish"),
+    "keras_amp_plus.optimizers": ("LossScaleOptimizer",),
+    "keras_amp_plus.callbacks": ("AMPMonitor",),
+    "keras_amp_plus.engines": ("resolve_engine", "rebuild_functions"),
+}
+
+PRIVATE_PREFIXES = ("keras.src", "tensorflow.python")
+
+
+@pytest.mark.parametrize("package_name", PACKAGES)
+def test_every_name_in_all_imports(package_name):
+    package = importlib.import_module(package_name)
+    assert hasattr(package, "__all__"), f"{package_name} has no __all__"
+    assert len(set(package.__all__)) == len(package.__all__), "duplicates"
+    namespace = {}
+    exec(f"from {package_name} import *", namespace)  # what users would run
+    for name in package.__all__:
+        assert getattr(package, name) is namespace[name]
+
+
+@pytest.mark.parametrize("package_name", sorted(CONTRACT_NAMES))
+def test_contract_names_are_public(package_name):
+    package = importlib.import_module(package_name)
+    missing = set(CONTRACT_NAMES[package_name]) - set(getattr(package, "__all__", ()))
+    assert not missing, f"{package_name}.__all__ lacks {sorted(missing)}"
+
+
+def _imported_module_names(source: str) -> list:
+    """Return every module name a source file imports, by any spelling."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args:
+            function = node.func
+            called = getattr(function, "attr", getattr(function, "id", ""))
+            first = node.args[0]
+            is_text = isinstance(first, ast.Constant) and isinstance(first.value, str)
+            if called in ("import_module", "__import__") and is_text:
+                names.append(first.value)
+    return names
+
+
+def private_imports(source: str) -> list:
+    """Return the private Keras/TensorFlow modules a source file imports."""
+    return [
+        name
+        for name in _imported_module_names(source)
+        if any(name == p or name.startswith(f"{p}.") for p in PRIVATE_PREFIXES)
+    ]
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("import keras.src.layers", ["keras.src.layers"]),
+        ("from keras.src import ops", ["keras.src", "keras.src.ops"]),
+        ("from keras import src", ["keras.src"]),
+        ("import tensorflow.python as tp", ["tensorflow.python"]),
+        (
+            "from tensorflow.python.ops import math_ops",
+            ["tensorflow.python.ops", "tensorflow.python.ops.math_ops"],
+        ),
+        ("importlib.import_module('keras.src.backend')", ["keras.src.backend"]),
+        ("import keras\nfrom tensorflow import keras as k", []),
+        ("import tensorflow_pythonic\nfrom keras import srcs", []),
+    ],
+)
+def test_private_import_checker(source, expected):
+    assert private_imports(source) == expected
+
+
+@pytest.mark.parametrize(
+    "path", SOURCE_FILES, ids=lambda path: str(path.relative_to(PACKAGE_DIR))
+)
+def test_no_private_imports_outside_compat(path):
+    if path.relative_to(PACKAGE_DIR) == pathlib.Path("_compat.py"):
+        return  # the one module allowed to reach private names
+    found = private_imports(path.read_text(encoding="utf-8"))
+    assert not found, f"{path.name} imports {found}: move it into _compat.py"
+
+
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def test_docstring_examples(module_name):
+    module = importlib.import_module(module_name)
+    result = doctest.testmod(
+        module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    )
+    assert result.failed == 0, f"{result.failed} docstring example(s) failed"
+
+
+def test_docstring_examples_are_found():
+    # Guards the test above: a broken module walk would pass it vacuously.
+    finder = doctest.DocTestFinder()
+    examples = sum(
+        len(test.examples)
+        for name in PUBLIC_MODULES
+        for test in finder.find(importlib.import_module(name))
+    )
+    assert "keras_amp_plus.cpu_features" in PUBLIC_MODULES
+    assert examples >= 10

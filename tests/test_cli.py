@@ -1,0 +1,136 @@
+"""`python -m keras_amp_plus`: argument parsing, bench, broken stacks, the demo."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from keras_amp_plus import bench, demo, doctor
+from keras_amp_plus.__main__ import build_parser
+
+
+def _run_module(*args, env_updates=None, timeout=300):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env_updates or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "keras_amp_plus", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_parser_defaults():
+    parser = build_parser()
+    doctor = parser.parse_args(["doctor"])
+    assert (doctor.json, doctor.probe_seconds) == (False, 2.0)
+    run = parser.parse_args(["demo", "--log-dir", "logs"])
+    assert (run.log_dir, run.epochs, run.policy) == ("logs", 3, "mixed_bfloat16")
+    assert parser.parse_args(["bench", "--quick"]).quick is True
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["doctor", "--probe-seconds", "0"],
+        ["doctor", "--probe-seconds", "-1"],
+        ["demo"],
+        ["demo", "--log-dir", "logs", "--epochs", "0"],
+        ["demo", "--log-dir", "logs", "--policy", "mixed_int8"],
+        ["cure"],
+    ],
+)
+def test_parser_rejects_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def _write_script(directory: pathlib.Path, name: str, exit_code: int) -> None:
+    # Each fake benchmark records the arguments it was given.
+    (directory / name).write_text(
+        "import pathlib, sys\n"
+        f"pathlib.Path(__file__).with_suffix('.args').write_text(repr(sys.argv[1:]))\n"
+        f"sys.exit({exit_code})\n"
+    )
+
+
+def test_bench_runs_each_script_and_passes_quick(tmp_path, capsys):
+    for name in bench.BENCHMARK_SCRIPTS:
+        _write_script(tmp_path, name, exit_code=0)
+    assert bench.main(quick=True, benchmarks_dir=tmp_path) == 0
+    for name in bench.BENCHMARK_SCRIPTS:
+        assert (tmp_path / name).with_suffix(".args").read_text() == "['--quick']"
+    assert capsys.readouterr().out.count("$ ") == len(bench.BENCHMARK_SCRIPTS)
+
+
+def test_bench_reports_failures_and_missing_scripts(tmp_path, capsys):
+    _write_script(tmp_path, "layers.py", exit_code=0)
+    _write_script(tmp_path, "loss_scale.py", exit_code=3)
+    assert bench.main(benchmarks_dir=tmp_path) == 1
+    assert (tmp_path / "layers.args").read_text() == "[]"
+    err = capsys.readouterr().err
+    assert "monitor.py not found" in err
+    assert "failed: loss_scale.py" in err
+
+
+def test_bench_without_scripts_says_so(tmp_path, capsys):
+    assert bench.main(benchmarks_dir=tmp_path) == 1
+    assert "not found" in capsys.readouterr().err
+
+
+def test_bench_finds_the_checkout_benchmarks_dir():
+    found = bench.find_benchmarks_dir()
+    checkout = pathlib.Path(bench.__file__).resolve().parent.parent
+    if (checkout / "benchmarks").is_dir():
+        assert found == checkout / "benchmarks"
+    else:
+        assert found is None
+
+
+def test_doctor_refuses_a_non_tensorflow_backend(monkeypatch, capsys):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    assert doctor.main(probe_seconds=0.1) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "'jax' backend" in captured.err
+    assert "KERAS_BACKEND=tensorflow" in captured.err
+
+
+def test_broken_tensorflow_install_exits_non_zero(tmp_path):
+    # A `tensorflow` package that fails to import shadows the real one.
+    fake = tmp_path / "tensorflow"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "raise ImportError('simulated broken TensorFlow install')\n"
+    )
+    completed = _run_module("doctor", env_updates={"PYTHONPATH": str(tmp_path)})
+    assert completed.returncode != 0
+    assert completed.stdout == ""
+    assert "simulated broken TensorFlow install" in completed.stderr
+
+
+def test_unusable_keras_backend_exits_non_zero():
+    # The numpy backend is not importable without SciPy here, and would be
+    # refused by the package otherwise: either way, no report and a failure.
+    completed = _run_module("doctor", env_updates={"KERAS_BACKEND": "numpy"})
+    assert completed.returncode != 0
+    assert completed.stdout == ""
+    assert completed.stderr.strip()
+
+
+def test_demo_data_is_learnable_and_reproducible():
+    inputs, labels = demo.make_data(samples=256, seed=3)
+    again_inputs, again_labels = demo.make_data(samples=256, seed=3)
+    np.testing.assert_array_equal(inputs, again_inputs)
+    np.testing.assert_array_equal(labels, again_labels)
+    assert set(np.unique(labels)) <= set(range(demo.CLASSES))
+    # More than one class occurs, so a constant guess cannot reach 100 %.
+    assert len(np.unique(labels)) > 1

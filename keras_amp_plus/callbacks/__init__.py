@@ -1,1 +1,5 @@
-"""Placeholder: filled in by its owner."""
+"""Callbacks: `AMPMonitor` watches overflows and tunes the precision lists."""
+
+from keras_amp_plus.callbacks.amp_monitor import AMPMonitor
+
+__all__ = ["AMPMonitor"]

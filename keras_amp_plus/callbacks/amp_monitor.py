@@ -1,0 +1,191 @@
+"""`AMPMonitor`: overflow events to TensorBoard, attributed and acted upon."""
+
+import collections
+import logging
+
+import keras
+
+from keras_amp_plus.callbacks import monitor_session
+from keras_amp_plus.callbacks.adaptation import AdaptationRule
+from keras_amp_plus.callbacks.event_log import changes_markdown
+from keras_amp_plus.callbacks.state import MonitorState
+from keras_amp_plus.policy import PrecisionLists
+
+logger = logging.getLogger("keras_amp_plus")
+
+
+class AMPMonitor(keras.callbacks.Callback):
+    """Log every overflow, name the layer behind it, and move it to float32.
+
+    Each train step, inside the compiled step, overflow events are counted in
+    graph variables (no host synchronisation); every `read_every_steps` steps and
+    at each epoch end the monitor reads them exactly, attributes each to a
+    layer, and writes:
+
+    - TensorBoard run `<log_dir>/amp`: `amp/loss_scale` and `amp/skipped_steps`
+      (cumulative) at the global train step; `amp/overflow_events`,
+      `amp/overflow_rate` (events / steps) and `amp/overflow/<layer path>` per
+      epoch (at step = epoch); text `amp/lists` and `amp/changes`.
+    - `<log_dir>/amp_events.jsonl`: one JSON object per overflow event and per
+      list change; `<log_dir>/amp_state.json`: what a resumed `fit` needs.
+    - `logs["loss_scale"]` and `logs["overflow_events"]` each epoch, so History,
+      CSVLogger and Keras's TensorBoard record them when the monitor comes
+      before them in the callbacks list.
+    - Python logging, `logging.getLogger("keras_amp_plus")`.
+
+    Backward overflows are attributed from our `LossScaleOptimizer`'s
+    per-variable records to the implicated layer closest to the loss; forward
+    overflows (Inf/NaN loss) by replaying the step's batch to find the first
+    layer whose output went non-finite. With Keras's own scaler events come from
+    scale changes (forward ones still attributed); with no scaler (bfloat16) the
+    monitor watches for Inf/NaN losses and recommends
+    `LossScaleOptimizer.guard`. With `adapt=True` the rule of
+    `keras_amp_plus.callbacks.adaptation` moves layers between lists at epoch
+    end, through the engine.
+
+    Args:
+        log_dir: directory for TensorBoard, the JSON-lines file and the state
+            file, or None for Python logging only. Defaults to `None`.
+        lists: initial `PrecisionLists` (or its config dict); `monitor.lists`
+            is always the current lists. Defaults to `None` (empty lists).
+        engine: "auto", "keras", "grappler", "itex" or an Engine. Defaults to
+            `"auto"`.
+        adapt: whether to move layers between lists. Defaults to `True`.
+        deny_threshold: events attributed to one layer in one epoch that deny
+            it. Defaults to `2`.
+        patience: clean epochs before a denied layer is tried in low precision
+            again (doubled at each new denial). Defaults to `5`.
+        cooldown: epochs after a layer moves back before another may.
+            Defaults to `1`.
+        max_retries: times a layer may move back before it stays denied.
+            Defaults to `2`.
+        trusted_backward_scale: backward overflows count as evidence against a
+            layer only at a loss scale at or below this (above it the scaler is
+            still searching). Defaults to `1.0`.
+        read_every_steps: steps between two reads of the counters; at most the
+            event ring's capacity (our scaler's `event_buffer_size`, else 64).
+            Defaults to `None` (the capacity).
+        replay: replay forward overflows to find their layer. Defaults to `True`.
+
+    Example:
+    >>> import keras, numpy as np
+    >>> from keras_amp_plus.callbacks import AMPMonitor
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> monitor = AMPMonitor(adapt=False)
+    >>> history = model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0,
+    ...                     callbacks=[monitor])
+    >>> history.history["overflow_events"]
+    [0]
+    """
+
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        lists: PrecisionLists | dict | None = None,
+        engine="auto",
+        adapt: bool = True,
+        deny_threshold: int = 2,
+        patience: int = 5,
+        cooldown: int = 1,
+        max_retries: int = 2,
+        trusted_backward_scale: float = 1.0,
+        read_every_steps: int | None = None,
+        replay: bool = True,
+    ):
+        super().__init__()
+        monitor_session.check_arguments(
+            log_dir=log_dir,
+            deny_threshold=deny_threshold,
+            patience=patience,
+            cooldown=cooldown,
+            max_retries=max_retries,
+            read_every_steps=read_every_steps,
+        )
+        self.log_dir = None if log_dir is None else str(log_dir)
+        self.lists = monitor_session.as_lists(lists)
+        self.engine = engine
+        self.adapt = bool(adapt)
+        self.trusted_backward_scale = float(trusted_backward_scale)
+        self.read_every_steps = read_every_steps
+        self.replay = bool(replay)
+        self.rule = AdaptationRule(deny_threshold, patience, cooldown, max_retries)
+        self.state = MonitorState(lists=self.lists.get_config())
+        self._session = None
+
+    # -- fit hooks ---------------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        """Check everything that could fail, then instrument the model."""
+        self._session = monitor_session.MonitorSession(self, self.model)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        """Resume or start the record (first epoch), reset epoch counters."""
+        session = self._session
+        if not session.started:
+            session.start(epoch)
+        session.begin_epoch(epoch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        """Read the counters every `read_every_steps` steps."""
+        self._session.after_batch(batch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        """Report the epoch, adapt the lists, save the state."""
+        session = self._session
+        session.epoch_events.extend(session.drain())
+        epoch_events = session.epoch_events
+        steps = session.steps_in_epoch()
+        per_layer = collections.Counter(
+            layer for event in epoch_events for layer in event["layers"]
+        )
+        session.report_epoch(epoch, epoch_events, steps, per_layer)
+        if logs is not None:
+            if session.loss_scale() is not None:
+                logs["loss_scale"] = session.loss_scale()
+            logs["overflow_events"] = len(epoch_events)
+        if self.adapt:
+            changes = session.adapt(epoch, self._evidence(epoch_events))
+            if changes:
+                session.log.text("amp/changes", changes_markdown(changes), epoch)
+        session.log.text("amp/lists", self.lists.to_markdown(), epoch)
+        session.end_epoch(epoch)
+
+    def on_train_end(self, logs=None):
+        """Flush the logs and give the model its own train step back."""
+        if self._session is not None:
+            self._session.close()
+
+    # -- decisions ---------------------------------------------------------------
+    def _evidence(self, events) -> dict:
+        """Count, per layer, the events that speak against its precision."""
+        evidence = collections.Counter()
+        for event in events:
+            scale = event["scale_before"]
+            trusted = event["direction"] == "forward" or (
+                scale is not None and scale <= self.trusted_backward_scale
+            )
+            if trusted:
+                evidence.update(event["layers"])
+        return dict(evidence)
+
+    # -- serialization -----------------------------------------------------------
+    def get_config(self) -> dict:
+        """Return the constructor arguments, with the current lists."""
+        return {
+            "log_dir": self.log_dir,
+            "lists": self.lists.get_config(),
+            "engine": self.engine if isinstance(self.engine, str) else "auto",
+            "adapt": self.adapt,
+            "deny_threshold": self.rule.deny_threshold,
+            "patience": self.rule.patience,
+            "cooldown": self.rule.cooldown,
+            "max_retries": self.rule.max_retries,
+            "trusted_backward_scale": self.trusted_backward_scale,
+            "read_every_steps": self.read_every_steps,
+            "replay": self.replay,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict) -> "AMPMonitor":
+        """Create a monitor from `get_config()` output."""
+        return cls(**config)

@@ -1,0 +1,139 @@
+"""Which layer caused an overflow event.
+
+Backward overflow (the loss is finite, a gradient is not): once a gradient
+overflows at layer L, every layer upstream of L (closer to the input) receives
+non-finite gradients too, while layers downstream stay finite. The originating
+layer is therefore the implicated layer closest to the loss in forward order.
+
+Forward overflow (the loss itself is Inf/NaN, so every gradient is): the batch
+of the offending step is replayed eagerly with every layer's `call` wrapped, and
+the first layer, in the order the calls finish, whose inputs are finite but
+whose output is not is the one that overflowed. Layers are wrapped through an
+instance attribute restored in `finally`, and non-trainable variables (batch
+norm statistics, seed generator states) are put back after the replay, so the
+replay leaves no trace in the model.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_amp_plus import _compat
+
+
+class LayerIndex:
+    """Layers of a model in forward order, and which layer owns each variable.
+
+    Forward order is the order of `model` layers flattened recursively, which
+    for Functional and Sequential models is the topological order and for
+    subclassed models the order in which sublayers were assigned.
+
+    Args:
+        model: a built Keras model.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = [
+            layer
+            for layer in _compat.flatten_layers(model)
+            if not isinstance(layer, keras.layers.InputLayer)
+        ]
+        leaves = [layer for layer in self.layers if not _sublayers(layer)]
+        self.order = {_compat.layer_path(layer): i for i, layer in enumerate(leaves)}
+        self.by_path = {_compat.layer_path(layer): layer for layer in self.layers}
+        self.owner_of_variable = {}
+        for layer in leaves:
+            for variable in layer.trainable_variables:
+                path = _compat.variable_path(variable)
+                self.owner_of_variable.setdefault(path, _compat.layer_path(layer))
+
+    def layers_of_variables(self, variable_paths) -> list[str]:
+        """Return the layers owning `variable_paths`, in forward order."""
+        owners = {
+            self.owner_of_variable[path]
+            for path in variable_paths
+            if path in self.owner_of_variable
+        }
+        return sorted(owners, key=lambda path: self.order.get(path, -1))
+
+    def backward_origin(self, implicated_layers) -> str | None:
+        """Return the implicated layer closest to the loss (see module doc)."""
+        return implicated_layers[-1] if implicated_layers else None
+
+
+def _sublayers(layer):
+    return [
+        sub
+        for sub in _compat.flatten_layers(layer)
+        if not isinstance(sub, keras.layers.InputLayer)
+    ]
+
+
+def _all_finite(structure) -> bool:
+    for value in tf.nest.flatten(structure):
+        if not isinstance(value, (tf.Tensor, tf.Variable, np.ndarray)):
+            continue
+        tensor = tf.convert_to_tensor(value)
+        if tensor.dtype.is_floating and not bool(
+            tf.reduce_all(tf.math.is_finite(tensor))
+        ):
+            return False
+    return True
+
+
+def find_forward_overflow(model, data, layers) -> dict:
+    """Replay `data` through `model` and return where the forward pass overflowed.
+
+    Args:
+        model: the Keras model.
+        data: one training batch as `fit` passes it to `train_step`.
+        layers: the layers to watch (a `LayerIndex`'s `layers`).
+
+    Returns:
+        `{"layer": path or None, "reason": str}`. `reason` is one of
+        `"output"` (finite inputs, non-finite output), `"input_cast"` (the layer's
+        inputs became non-finite when cast to its compute dtype), `"bad_data"`
+        (the batch itself holds Inf/NaN) or `"not_reproduced"`.
+    """
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    if not _all_finite(x):
+        return {"layer": None, "reason": "bad_data"}
+    entered, finished = [], []
+    originals = {}
+
+    def wrap(layer):
+        original = layer.call
+
+        def probed_call(*args, **kwargs):
+            inputs_finite = _all_finite((args, kwargs))
+            entered.append((layer, inputs_finite))
+            outputs = original(*args, **kwargs)
+            finished.append((layer, inputs_finite, _all_finite(outputs)))
+            return outputs
+
+        return probed_call
+
+    saved_state = [v.numpy() for v in model.non_trainable_variables]
+    try:
+        for layer in layers:
+            originals[id(layer)] = (layer, layer.__dict__.get("call"))
+            layer.call = wrap(layer)
+        model(x, training=True)
+    finally:
+        for layer, previous in originals.values():
+            if previous is None:
+                layer.__dict__.pop("call", None)
+            else:
+                layer.call = previous
+        for variable, value in zip(
+            model.non_trainable_variables, saved_state, strict=True
+        ):
+            variable.assign(value)
+    for layer, inputs_finite, outputs_finite in finished:
+        if inputs_finite and not outputs_finite:
+            return {"layer": _compat.layer_path(layer), "reason": "output"}
+    for layer, inputs_finite in entered:
+        if not inputs_finite:
+            return {"layer": _compat.layer_path(layer), "reason": "input_cast"}
+    return {"layer": None, "reason": "not_reproduced"}

@@ -1,0 +1,108 @@
+"""The monitor's persisted state: `<log_dir>/amp_state.json`.
+
+`keras.callbacks.BackupAndRestore` restores the model weights and optimizer
+variables (so our LossScaleOptimizer's counters and event ring) as of the end of
+the last completed epoch, and the epoch number; it does not know about the
+monitor. The monitor therefore writes, at the end of every epoch, a snapshot of
+everything it needs to continue as if never interrupted: the lists, the
+adaptation rule's memory, its step and event counters, its read cursors, and the
+number of lines of `amp_events.jsonl` written so far. A resumed `fit` starting at
+epoch E loads the snapshot of epoch E - 1 and cuts the JSON-lines file back to
+that length, so events of the interrupted epoch are not counted twice.
+A few recent snapshots are kept because `BackupAndRestore` may have saved an
+older epoch than the monitor (the two write at slightly different moments).
+"""
+
+import dataclasses
+import json
+import os
+
+STATE_FILE = "amp_state.json"
+FORMAT_VERSION = 1
+SNAPSHOTS_KEPT = 3
+
+
+@dataclasses.dataclass
+class MonitorState:
+    """Everything the monitor carries from one epoch to the next.
+
+    Args:
+        epoch: last completed epoch (0-based), -1 before the first. Defaults to
+            `-1`.
+        lists: the `PrecisionLists` config. Defaults to `{}`.
+        adaptation: the adaptation rule's memory. Defaults to `{}`.
+        total_steps: train steps seen by the monitor. Defaults to `0`.
+        recorder_events: events counted by the monitor's ring. Defaults to `0`.
+        scaler_events: overflow count of our LossScaleOptimizer already read.
+            Defaults to `0`.
+        skipped_steps: cumulative overflow events. Defaults to `0`.
+        jsonl_lines: lines of `amp_events.jsonl` at the end of `epoch`.
+            Defaults to `0`.
+        guard_recommended: whether the bf16 guard advice was logged.
+            Defaults to `False`.
+    """
+
+    epoch: int = -1
+    lists: dict = dataclasses.field(default_factory=dict)
+    adaptation: dict = dataclasses.field(default_factory=dict)
+    total_steps: int = 0
+    recorder_events: int = 0
+    scaler_events: int = 0
+    skipped_steps: int = 0
+    jsonl_lines: int = 0
+    guard_recommended: bool = False
+
+    def to_dict(self) -> dict:
+        """Return the state as JSON-serializable data."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MonitorState":
+        """Rebuild a state from `to_dict()` output, ignoring unknown keys."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def state_path(log_dir: str) -> str:
+    """Return the state file's path inside `log_dir`."""
+    return os.path.join(log_dir, STATE_FILE)
+
+
+def load_snapshots(log_dir: str | None) -> dict[int, MonitorState]:
+    """Return `{epoch: state}` from the state file ({} if there is none)."""
+    if not log_dir or not os.path.exists(state_path(log_dir)):
+        return {}
+    with open(state_path(log_dir)) as f:
+        data = json.load(f)
+    if data.get("format") != FORMAT_VERSION:
+        raise ValueError(
+            f"{state_path(log_dir)} was written by another version of AMPMonitor "
+            f"and cannot be resumed. Expected format {FORMAT_VERSION}. Delete the "
+            f"file or use another `log_dir`. Received: format={data.get('format')}"
+        )
+    states = (MonitorState.from_dict(s) for s in data["snapshots"])
+    return {state.epoch: state for state in states}
+
+
+def save_snapshot(log_dir: str | None, state: MonitorState) -> None:
+    """Add `state` to the state file atomically, keeping the last few epochs."""
+    if not log_dir:
+        return
+    snapshots = load_snapshots(log_dir)
+    snapshots = {e: s for e, s in snapshots.items() if e < state.epoch}
+    snapshots[state.epoch] = state
+    kept = sorted(snapshots)[-SNAPSHOTS_KEPT:]
+    data = {
+        "format": FORMAT_VERSION,
+        "snapshots": [snapshots[e].to_dict() for e in kept],
+    }
+    temporary = state_path(log_dir) + ".tmp"
+    with open(temporary, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(temporary, state_path(log_dir))
+
+
+def clear_state(log_dir: str | None) -> None:
+    """Remove the state file (a fresh `fit` from epoch 0 starts a new record)."""
+    if log_dir and os.path.exists(state_path(log_dir)):
+        os.remove(state_path(log_dir))

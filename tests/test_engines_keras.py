@@ -1,0 +1,155 @@
+import keras
+import numpy as np
+import pytest
+
+from keras_amp_plus.engines import KerasEngine, resolve_engine
+from keras_amp_plus.engines.layer_matching import candidate_layers
+from keras_amp_plus.policy import PrecisionLists
+
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+LOW = {"float32": "bfloat16", "mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
+
+
+def _model(policy):
+    keras.config.set_dtype_policy(policy)
+    inner = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(4, name="a"),
+            keras.layers.LayerNormalization(name="ln"),
+        ],
+        name="inner",
+    )
+    inputs = keras.Input((4,))
+    hidden = inner(keras.layers.Dense(4, name="d1")(inputs))
+    model = keras.Model(
+        inputs, keras.layers.Dense(2, name="head")(hidden), name="outer"
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(8, 4)).astype("float32"), rng.normal(size=(8, 2))
+
+
+def _compute_dtypes(model, leaves_only=False):
+    return {
+        layer.name: layer.compute_dtype
+        for layer in candidate_layers(model)
+        if not (leaves_only and isinstance(layer, keras.Model))
+    }
+
+
+def _lists(policy, deny):
+    # Under a float32 global policy nothing is mixed yet: allow everything else.
+    allow = (".*",) if policy == "float32" else ()
+    return PrecisionLists(allow_layers=allow, deny_layers=(deny,))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(
+    ("deny", "denied"),
+    [
+        ("d1", {"d1"}),  # name
+        ("inner/a", {"a"}),  # path
+        ("inn.*/l.", {"ln"}),  # regular expression
+        ("LayerNormalization", {"ln"}),  # class name
+        ("inner", {"inner", "a", "ln"}),  # a nested model takes its layers along
+    ],
+)
+def test_deny_keeps_that_layer_in_float32_and_survives_save(
+    policy, deny, denied, tmp_path
+):
+    model = _model(policy)
+    KerasEngine().apply(model, _lists(policy, deny))
+    expected = {
+        name: "float32" if name in denied else LOW[policy]
+        for name in _compute_dtypes(model)
+    }
+    assert _compute_dtypes(model) == expected
+
+    path = tmp_path / "model.keras"
+    model.save(path)
+    keras.config.set_dtype_policy("float32")  # loading must not depend on it
+    loaded = keras.saving.load_model(path, compile=False)
+    # Nested models do not save their own policy; the layers inside them do.
+    leaves = {name: dtype for name, dtype in expected.items() if name != "inner"}
+    assert _compute_dtypes(loaded, leaves_only=True) == leaves
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_apply_rebuilds_the_functions_and_fit_still_trains(policy):
+    model = _model(policy)
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.predict(x, verbose=0)
+    old_train, old_predict = model.train_function, model.predict_function
+    KerasEngine().apply(model, PrecisionLists(deny_layers=("ln", "head")))
+    assert model.train_function is not old_train
+    assert model.predict_function is not old_predict
+    history = model.fit(x, y, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert model.predict(x, verbose=0).dtype == np.float32
+
+
+def test_denied_dense_matches_a_float64_reference():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, name="d")])
+    x = np.random.default_rng(1).normal(size=(16, 64)).astype("float32")
+    kernel, bias = (w.astype("float64") for w in model.layers[0].get_weights())
+    reference = x.astype("float64") @ kernel + bias
+
+    def relative_error():
+        out = keras.ops.convert_to_numpy(model(x)).astype("float64")
+        return np.max(np.abs(out - reference)) / np.max(np.abs(reference))
+
+    assert relative_error() > 1e-4  # bfloat16 keeps ~3 significant digits
+    KerasEngine().apply(model, PrecisionLists(deny_layers=("d",)))
+    assert relative_error() < 1e-6
+
+
+def test_moves_are_reversible():
+    model = _model("mixed_bfloat16")
+    engine = KerasEngine()
+    engine.apply(model, PrecisionLists(deny_layers=("d1", "ln")))
+    engine.apply(model, PrecisionLists(deny_layers=("ln",)))
+    assert _compute_dtypes(model)["d1"] == "bfloat16"
+    engine.apply(model, PrecisionLists())
+    assert set(_compute_dtypes(model).values()) == {"bfloat16"}
+    assert model.get_layer("d1").dtype_policy.name == "mixed_bfloat16"
+
+
+def test_allow_uses_the_default_mixed_policy_on_a_float32_model():
+    model = _model("float32")
+    engine = KerasEngine()
+    engine.apply(model, PrecisionLists(allow_layers=("head",)))
+    assert model.get_layer("head").dtype_policy.name == "mixed_bfloat16"
+    assert _compute_dtypes(model)["d1"] == "float32"
+
+
+def test_the_most_specific_entry_wins():
+    model = _model("float32")
+    lists = PrecisionLists(allow_layers=("head",), deny_layers=("Dense",))
+    KerasEngine().apply(model, lists)
+    dtypes = _compute_dtypes(model)
+    assert (dtypes["head"], dtypes["d1"], dtypes["a"]) == (
+        "bfloat16",
+        "float32",
+        "float32",
+    )
+
+
+def test_op_lists_are_rejected_by_the_layer_engine():
+    model = _model("mixed_bfloat16")
+    with pytest.raises(ValueError, match=r"op-type lists need a graph engine.*'Mean'"):
+        KerasEngine().apply(model, PrecisionLists(deny_ops=("Mean",)))
+
+
+def test_an_unknown_entry_changes_nothing():
+    model = _model("mixed_bfloat16")
+    lists = PrecisionLists(deny_layers=("d1", "hed"))
+    with pytest.raises(ValueError, match=r"'hed' matches no layer.*Did you mean head"):
+        resolve_engine("keras", model).apply(model, lists)
+    assert set(_compute_dtypes(model).values()) == {"bfloat16"}

@@ -1,0 +1,76 @@
+"""Argument and input checks shared by the layers, with Keras-style messages."""
+
+import numbers
+
+import keras
+
+
+def check_epsilon(epsilon) -> float:
+    """Return `epsilon` as a float, or raise unless it is a positive number."""
+    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real):
+        raise TypeError(
+            "`epsilon` must be a positive float added to the variance. "
+            f"Received: epsilon={epsilon!r} of type {type(epsilon).__name__}"
+        )
+    if not epsilon > 0:
+        raise ValueError(
+            "`epsilon` must be positive: it keeps the division by the standard "
+            "deviation finite for constant inputs. Use a small value such as "
+            f"1e-3 or 1e-5. Received: epsilon={epsilon}"
+        )
+    return float(epsilon)
+
+
+def check_axis_type(axis, allow_list: bool):
+    """Raise TypeError unless `axis` is an int (or, if allowed, ints)."""
+    expected = "an int or a list/tuple of ints" if allow_list else "an int"
+    is_sequence = isinstance(axis, (list, tuple)) and allow_list
+    items = list(axis) if is_sequence else [axis]
+    if not items or any(
+        isinstance(item, bool) or not isinstance(item, numbers.Integral)
+        for item in items
+    ):
+        raise TypeError(
+            f"Expected {expected} for the argument `axis`. Received: axis={axis!r}"
+        )
+
+
+def positive_axes(axes, rank: int, input_shape) -> tuple:
+    """Return `axes` resolved to non-negative ints, checked against `rank`."""
+    resolved = []
+    for axis in axes:
+        if not -rank <= axis < rank:
+            raise ValueError(
+                f"Axis {axis} is out of bounds for an input of rank {rank} "
+                f"(input shape {tuple(input_shape)}). Pass axes between {-rank} "
+                f"and {rank - 1}. Received: axis={axis}"
+            )
+        resolved.append(axis % rank)
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(
+            "`axis` names the same dimension twice. Pass each axis once. "
+            f"Received: axis={list(axes)} for input shape {tuple(input_shape)}"
+        )
+    return tuple(resolved)
+
+
+def check_defined_dims(axes, input_shape, layer_name: str) -> None:
+    """Raise ValueError if a weight-carrying axis has an unknown size."""
+    for axis in axes:
+        if input_shape[axis] is None:
+            raise ValueError(
+                f"{layer_name} needs the size of axis {axis} to create its "
+                "weights, but it is undefined. Give that dimension a fixed size "
+                f"in the input. Received: input_shape={tuple(input_shape)}"
+            )
+
+
+def check_float_input(inputs, layer_name: str) -> None:
+    """Raise TypeError unless `inputs` has a floating-point dtype."""
+    dtype = keras.backend.standardize_dtype(inputs.dtype)
+    if "float" not in dtype:
+        raise TypeError(
+            f"{layer_name} accepts floating-point inputs only. Cast the input "
+            "to a float dtype first (e.g. `keras.ops.cast(x, 'float32')`). "
+            f"Received: inputs.dtype={dtype}"
+        )

@@ -1,0 +1,153 @@
+"""Swish: `x * sigmoid(beta * x)` with a memory-saving fused gradient."""
+
+import numbers
+
+import keras
+import tensorflow as tf
+
+from keras_amp_plus import _compat
+from keras_amp_plus.layers import _validation
+
+
+@tf.function(jit_compile=True)
+def _swish_forward(x, beta):
+    # XLA keeps the elementwise arithmetic in float32 registers (it widens
+    # bfloat16 there anyway); only compute-dtype tensors are read or written.
+    x_wide = tf.cast(x, beta.dtype)
+    return tf.cast(x_wide * tf.sigmoid(beta * x_wide), x.dtype)
+
+
+@tf.function(jit_compile=True)
+def _swish_backward(upstream, x, beta, with_beta_grad):
+    x_wide = tf.cast(x, beta.dtype)
+    upstream_wide = tf.cast(upstream, beta.dtype)
+    # The sigmoid is recomputed from x here instead of being kept from the
+    # forward pass: the backward pass needs only x.
+    sigmoid = tf.sigmoid(beta * x_wide)
+    slope = sigmoid * (1.0 + beta * x_wide * (1.0 - sigmoid))
+    x_grad = tf.cast(upstream_wide * slope, x.dtype)
+    if not with_beta_grad:
+        return x_grad, tf.zeros_like(beta)
+    beta_grad = tf.reduce_sum(
+        upstream_wide * tf.square(x_wide) * sigmoid * (1.0 - sigmoid)
+    )
+    return x_grad, beta_grad
+
+
+def _swish(x, beta, with_beta_grad):
+    @tf.custom_gradient
+    def swish_with_gradient(x, beta):
+        def grad(upstream):
+            return _swish_backward(upstream, x, beta, with_beta_grad)
+
+        return _swish_forward(x, beta), grad
+
+    return swish_with_gradient(x, beta)
+
+
+@keras.saving.register_keras_serializable(package="keras_amp_plus")
+def swish(x, beta=1.0):
+    """Swish activation, `x * sigmoid(beta * x)`, in the input's dtype.
+
+    Usable wherever Keras takes an activation: `activation=swish`, or by its
+    registered name `"keras_amp_plus>swish"`. The gradient recomputes the
+    sigmoid, so the backward pass keeps only `x` (as `tf.nn.silu` does), and
+    forward and backward each run as one XLA-fused kernel.
+
+    Args:
+        x: Float input tensor.
+        beta: Float (or float tensor) scaling the sigmoid's input.
+            Defaults to `1.0`.
+
+    Returns:
+        A tensor of the shape and dtype of `x`.
+
+    Example:
+    >>> import keras_amp_plus
+    >>> import numpy as np
+    >>> outputs = keras_amp_plus.layers.swish(np.array([-1.0, 0.0, 2.0], "float32"))
+    >>> print(np.round(np.asarray(outputs), 4))
+    [-0.2689  0.      1.7616]
+
+    Reference:
+    - [Ramachandran et al., 2017](https://arxiv.org/abs/1710.05941).
+    """
+    x = tf.convert_to_tensor(x)
+    wide = tf.float64 if x.dtype == tf.float64 else tf.float32
+    beta_is_constant = isinstance(beta, numbers.Real)
+    return _swish(x, tf.cast(beta, wide), with_beta_grad=not beta_is_constant)
+
+
+_compat.register_activation_name("keras_amp_plus>swish", swish)
+
+
+@keras.saving.register_keras_serializable(package="keras_amp_plus")
+class Swish(keras.layers.Layer):
+    """Swish activation layer, `x * sigmoid(beta * x)`, optionally Swish-beta.
+
+    Computes in the layer's compute dtype (inputs are cast to it, outputs have
+    it) with a gradient that recomputes the sigmoid instead of storing it, so a
+    training step keeps no more than `Activation("swish")` does. With
+    `trainable_beta=True`, `beta` is one trainable float32 weight (Swish-beta)
+    initialized to `beta`.
+
+    Args:
+        beta: Float, the sigmoid's input scale (the initial value when
+            trainable). Defaults to `1.0`.
+        trainable_beta: If True, learn `beta`. Defaults to `False`.
+        **kwargs: Base layer keyword arguments (`name`, `dtype`, ...).
+
+    Example:
+    >>> import numpy as np
+    >>> import keras_amp_plus
+    >>> layer = keras_amp_plus.layers.Swish(trainable_beta=True, dtype="mixed_bfloat16")
+    >>> outputs = layer(np.array([[-1.0, 0.0, 2.0]]))
+    >>> print(outputs.dtype.name, layer.beta.dtype)
+    bfloat16 float32
+    >>> print(np.asarray(outputs, dtype="float32"))  # bfloat16 values
+    [[-0.26953125  0.          1.7578125 ]]
+
+    Reference:
+    - [Ramachandran et al., 2017](https://arxiv.org/abs/1710.05941).
+    """
+
+    def __init__(self, beta: float = 1.0, trainable_beta: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
+            raise TypeError(
+                "`beta` must be a float, the scale of the sigmoid's input. "
+                f"Received: beta={beta!r} of type {type(beta).__name__}"
+            )
+        self.initial_beta = float(beta)
+        self.trainable_beta = bool(trainable_beta)
+        self.supports_masking = True
+
+    def build(self, input_shape):
+        """Create the trainable float32 `beta` when `trainable_beta` is set."""
+        if self.trainable_beta:
+            self.beta = self.add_weight(
+                name="beta",
+                shape=(),
+                initializer=keras.initializers.Constant(self.initial_beta),
+                dtype="float32",
+                autocast=False,
+            )
+        else:
+            self.beta = None
+
+    def call(self, inputs):
+        """Return `inputs * sigmoid(beta * inputs)` in the compute dtype."""
+        _validation.check_float_input(inputs, "Swish")
+        wide = tf.float64 if inputs.dtype == tf.float64 else tf.float32
+        if self.beta is None:
+            return _swish(inputs, tf.constant(self.initial_beta, wide), False)
+        return _swish(inputs, tf.cast(self.beta, wide), True)
+
+    def compute_output_shape(self, input_shape):
+        """Return `input_shape`: the activation keeps the shape."""
+        return input_shape
+
+    def get_config(self):
+        """Return `beta` (the initial value) and `trainable_beta`."""
+        config = {"beta": self.initial_beta, "trainable_beta": self.trainable_beta}
+        return {**super().get_config(), **config}

@@ -193,6 +193,20 @@ def itex_layer_norm_op():
         from intel_extension_for_tensorflow.python.ops.load_ops_library import (
             load_ops_library,
         )
-    except Exception:  # noqa: BLE001 - an ITEX without the op: use ours
+    except Exception:  # an ITEX without the op: use ours
         return None
     return getattr(load_ops_library, "itex_layer_norm", None)  # pragma: no cover
+
+
+def register_activation_name(name: str, function) -> None:
+    """Let `keras.activations.get(name)` (and so `Dense(activation=name)`) work.
+
+    Why private: Keras 3's `activations.get` resolves strings only through its
+    module table `keras.src.activations.ALL_OBJECTS_DICT`, not through the
+    registered custom objects, so a registered function's name is otherwise
+    accepted in configs (dict form) but not as a plain string. Built-in names
+    are never replaced.
+    """
+    from keras.src import activations as keras_activations
+
+    keras_activations.ALL_OBJECTS_DICT.setdefault(name, function)

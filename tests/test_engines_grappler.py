@@ -1,0 +1,156 @@
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_amp_plus import _compat
+from keras_amp_plus.engines import GrapplerEngine
+from keras_amp_plus.engines.grappler import (
+    GRAPPLER_OPTION,
+    LOG_PATH_VARIABLE,
+    TOUCHED_VARIABLES,
+)
+from keras_amp_plus.policy import PrecisionLists
+from keras_amp_plus.report import precision_report
+
+DENY_ADD = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD"
+ALLOW_REMOVE = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_REMOVE"
+
+
+@pytest.fixture(autouse=True)
+def grappler_state():
+    """Grappler options and list variables are process-global: put them back."""
+    environment = {name: os.environ.get(name) for name in TOUCHED_VARIABLES}
+    options = tf.config.optimizer.get_experimental_options()
+    yield
+    for name, value in environment.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if GRAPPLER_OPTION in options:
+        tf.config.optimizer.set_experimental_options(
+            {GRAPPLER_OPTION: options[GRAPPLER_OPTION]}
+        )
+    else:
+        _compat.reset_grappler_option(GRAPPLER_OPTION)
+
+
+def _model(jit_compile=False):
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 2)),
+            keras.layers.Conv2D(4, 3, name="conv"),
+            keras.layers.Flatten(name="flatten"),
+            keras.layers.Dense(8, name="d1"),
+            keras.layers.Dense(2, name="d2"),
+        ]
+    )
+    model.compile(optimizer="sgd", loss="mse", jit_compile=jit_compile)
+    return model
+
+
+def _fit_one_step(model):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 6, 6, 2)).astype("float32")
+    y = rng.normal(size=(8, 2)).astype("float32")
+    return model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+def _converted(model, engine):
+    train = precision_report(model, engine)["graph"]["train"]
+    return train["converted_by_op"], train["lists"]
+
+
+@pytest.mark.parametrize(
+    "lists",
+    [PrecisionLists(deny_ops=("MatMul",)), PrecisionLists(deny_layers=("Dense",))],
+    ids=["deny_ops", "deny_layers"],
+)
+def test_denying_matmul_changes_the_converted_nodes(lists, tmp_path):
+    model = _model()
+    engine = GrapplerEngine(log_dir=str(tmp_path))
+    engine.apply(model, PrecisionLists())
+    _fit_one_step(model)
+    before, _ = _converted(model, engine)
+    # Two Dense layers: one forward MatMul and two gradient MatMuls each.
+    assert before["MatMul"] == 6
+    assert before["Conv2D"] == before["Conv2DBackpropFilter"] == 1
+
+    engine.apply(model, lists)  # rebuilds the train function: no manual retrace
+    history = _fit_one_step(model)
+    after, paint_buckets = _converted(model, engine)
+    assert "MatMul" not in after
+    assert after["Conv2D"] == after["Conv2DBackpropFilter"] == 1
+    assert "MatMul" in paint_buckets["deny"]
+    assert "MatMul" not in paint_buckets["allow"]
+    assert np.isfinite(history.history["loss"][0])
+    engine.restore()
+
+
+@pytest.mark.parametrize("previous_option", [None, False, True])
+def test_restore_puts_variables_and_option_back_exactly(
+    previous_option, monkeypatch, tmp_path
+):
+    user_dir = tmp_path / "user"
+    monkeypatch.setenv(DENY_ADD, "Pow")
+    monkeypatch.setenv(LOG_PATH_VARIABLE, str(user_dir))
+    monkeypatch.delenv(ALLOW_REMOVE, raising=False)
+    if previous_option is None:
+        _compat.reset_grappler_option(GRAPPLER_OPTION)
+    else:
+        tf.config.optimizer.set_experimental_options({GRAPPLER_OPTION: previous_option})
+    environment = {name: os.environ.get(name) for name in TOUCHED_VARIABLES}
+    options = tf.config.optimizer.get_experimental_options()
+
+    engine = GrapplerEngine()
+    engine.apply(_model(), PrecisionLists(deny_ops=("MatMul",)))
+    assert os.environ[DENY_ADD] == "Pow,MatMul"  # the user's entry is kept
+    assert os.environ[ALLOW_REMOVE] == "MatMul"  # paired with the ADD
+    assert engine.dump_dir == os.path.join(str(user_dir), "apply_001")
+    assert os.environ[LOG_PATH_VARIABLE] == engine.dump_dir
+    assert tf.config.optimizer.get_experimental_options()[GRAPPLER_OPTION] is True
+
+    engine.restore()
+    assert {name: os.environ.get(name) for name in TOUCHED_VARIABLES} == environment
+    assert tf.config.optimizer.get_experimental_options() == options
+    engine.restore()  # a second restore changes nothing
+    assert tf.config.optimizer.get_experimental_options() == options
+
+
+def test_bad_entries_raise_before_any_global_change(tmp_path):
+    environment = {name: os.environ.get(name) for name in TOUCHED_VARIABLES}
+    options = tf.config.optimizer.get_experimental_options()
+    engine = GrapplerEngine(log_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"'dens' matches no layer.*Did you mean"):
+        engine.apply(_model(), PrecisionLists(deny_layers=("dens",)))
+    assert {name: os.environ.get(name) for name in TOUCHED_VARIABLES} == environment
+    assert tf.config.optimizer.get_experimental_options() == options
+    assert engine.dump_dir is None
+
+
+def test_xla_compiled_models_get_a_warning(tmp_path):
+    engine = GrapplerEngine(log_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match=r"jit_compile=True.*no effect"):
+        engine.apply(_model(jit_compile=True), PrecisionLists())
+    engine.restore()
+
+
+def test_a_layer_without_op_types_gets_a_warning(tmp_path):
+    engine = GrapplerEngine(log_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match=r"'flatten' \(Flatten\) has no op-type"):
+        engine.apply(_model(), PrecisionLists(deny_layers=("flatten",)))
+    engine.restore()
+
+
+def test_each_apply_dumps_into_a_fresh_directory(tmp_path):
+    engine = GrapplerEngine(log_dir=str(tmp_path))
+    model = _model()
+    engine.apply(model, PrecisionLists())
+    first = engine.dump_dir
+    engine.apply(model, PrecisionLists(deny_ops=("Conv2D",)))
+    assert engine.dump_dir != first
+    assert sorted(os.listdir(tmp_path)) == ["apply_001", "apply_002"]
+    engine.restore()

@@ -1,0 +1,84 @@
+import keras
+import pytest
+
+from keras_amp_plus import _compat
+from keras_amp_plus.engines import ItexEngine, itex_list_fields, merge_list_fields
+from keras_amp_plus.engines.op_lists import FIELD_NAMES, op_placements
+from keras_amp_plus.policy import PrecisionLists
+
+
+def _model():
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(4, name="d1"),
+            keras.layers.LayerNormalization(name="ln"),
+            keras.layers.Dense(2, activation="softmax", name="head"),
+        ]
+    )
+
+
+@pytest.mark.skipif(
+    _compat.itex_module() is not None, reason="covers the stack without ITEX"
+)
+def test_apply_without_itex_raises_with_the_install_hint():
+    with pytest.raises(ImportError) as info:
+        ItexEngine().apply(_model(), PrecisionLists(deny_ops=("Mean",)))
+    message = str(info.value)
+    assert "Intel Extension for TensorFlow" in message
+    assert 'pip install "intel-extension-for-tensorflow[cpu]==2.15.0.0"' in message
+    assert "engine='grappler'" in message
+    assert "Received: engine='itex'" in message
+    ItexEngine().restore()  # nothing was applied: nothing to restore
+
+
+def test_data_type_is_checked():
+    with pytest.raises(ValueError, match=r"Received: data_type='bf16'"):
+        ItexEngine(data_type="bf16")
+
+
+def test_every_add_is_paired_with_removes_from_the_other_lists():
+    fields = itex_list_fields({}, {"Mean": "deny", "MatMul": "infer"}, environ={})
+    assert set(fields) == set(FIELD_NAMES)
+    assert fields["denylist_add"] == "Mean"
+    assert fields["inferlist_add"] == "MatMul"
+    for name in ("allow", "infer", "clear"):
+        assert "Mean" in fields[f"{name}list_remove"].split(",")
+    for name in ("allow", "clear", "deny"):
+        assert "MatMul" in fields[f"{name}list_remove"].split(",")
+    assert fields["denylist_remove"] == "MatMul"
+    assert fields["clearlist_add"] == ""
+
+
+def test_the_users_config_is_the_starting_point():
+    current = {
+        "denylist_add": "Pow,Softmax",  # kept, Softmax moves away below
+        "allowlist_remove": "Softmax,Einsum",  # Softmax must be allowed now
+        "inferlist_add": "",
+    }
+    environ = {
+        "ITEX_AUTO_MIXED_PRECISION_INFERLIST_ADD": "Sqrt",  # used: field empty
+        "ITEX_AUTO_MIXED_PRECISION_DENYLIST_ADD": "Tanh",  # ignored: field wins
+    }
+    fields = itex_list_fields(current, {"Softmax": "allow"}, environ=environ)
+    assert fields["denylist_add"] == "Pow"
+    assert fields["allowlist_add"] == "Softmax"
+    assert fields["allowlist_remove"] == "Einsum"
+    assert fields["inferlist_add"] == "Sqrt"
+    assert fields["denylist_remove"] == "Softmax"
+
+
+def test_merge_rejects_an_unknown_list():
+    with pytest.raises(ValueError, match=r"Received: MatMul='float32'"):
+        merge_list_fields({}, {"MatMul": "float32"})
+
+
+def test_layer_entries_become_op_types_and_explicit_ops_win():
+    lists = PrecisionLists(
+        allow_layers=("d1",), deny_layers=("ln", "head"), allow_ops=("Softmax",)
+    )
+    placements = op_placements(_model(), lists)
+    # d1 allows MatMul but head (also a Dense) denies it: deny wins.
+    assert placements["MatMul"] == "deny"
+    assert placements["Mean"] == placements["Rsqrt"] == "deny"
+    assert placements["Softmax"] == "allow"  # the explicit op entry

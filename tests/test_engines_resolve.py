@@ -1,0 +1,78 @@
+import keras
+import pytest
+
+from keras_amp_plus import _compat
+from keras_amp_plus.engines import (
+    GrapplerEngine,
+    ItexEngine,
+    KerasEngine,
+    resolve_engine,
+)
+
+
+def _model(layer_dtype=None):
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(4, name="d1"),
+            keras.layers.Dense(2, name="d2", dtype=layer_dtype),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [("keras", KerasEngine), ("grappler", GrapplerEngine), ("itex", ItexEngine)],
+)
+def test_names_resolve_to_their_engines(name, cls):
+    engine = resolve_engine(name, _model())
+    assert type(engine) is cls
+    assert engine.name == name
+    assert engine.level == ("layer" if name == "keras" else "op")
+
+
+def test_an_engine_instance_passes_through():
+    engine = GrapplerEngine()
+    assert resolve_engine(engine, _model()) is engine
+
+
+def test_unknown_names_are_rejected():
+    with pytest.raises(ValueError, match=r"Received: engine='xla'"):
+        resolve_engine("xla", _model())
+
+
+@pytest.mark.parametrize(
+    ("policy", "layer_dtype", "expected"),
+    [
+        ("float32", None, "grappler"),
+        ("mixed_bfloat16", None, "keras"),
+        ("mixed_float16", None, "keras"),
+        ("float32", "mixed_bfloat16", "keras"),  # one mixed layer is enough
+    ],
+)
+def test_auto_without_itex(policy, layer_dtype, expected):
+    keras.config.set_dtype_policy(policy)
+    model = _model(layer_dtype)
+    if policy != "float32":
+        # Built under a mixed policy; the global policy alone no longer decides.
+        keras.config.set_dtype_policy("float32")
+    assert _compat.itex_module() is None
+    assert resolve_engine("auto", model).name == expected
+
+
+def test_auto_prefers_itex_when_it_imports(monkeypatch):
+    monkeypatch.setattr(_compat, "itex_module", lambda: object())
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    assert resolve_engine("auto", _model()).name == "itex"
+
+
+def test_engines_share_the_op_type_mapping():
+    layer = keras.layers.Conv2D(2, 3)
+    for name in ("keras", "grappler", "itex"):
+        assert resolve_engine(name, _model()).op_types_for_layer(layer)[0] == "Conv2D"
+
+
+def test_auto_follows_a_mixed_global_policy_set_after_building():
+    model = _model()
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    assert resolve_engine("auto", model).name == "keras"

@@ -13,6 +13,8 @@ steps overflow float16, so the scaler backs off and the monitor has events to
 log. bfloat16 has float32's range and will normally log none.
 """
 
+import collections
+import json
 import os
 
 import keras
@@ -94,7 +96,7 @@ def train(log_dir: str, epochs: int = 3, policy: str = "mixed_bfloat16") -> tupl
         policy: Keras dtype policy name. Defaults to `"mixed_bfloat16"`.
 
     Returns:
-        `(model, history)`.
+        `(model, history, monitor)`.
     """
     from keras_amp_plus import callbacks
 
@@ -112,6 +114,7 @@ def train(log_dir: str, epochs: int = 3, policy: str = "mixed_bfloat16") -> tupl
         metrics=["accuracy"],
     )
     inputs, labels = make_data()
+    monitor = callbacks.AMPMonitor(log_dir)
     history = model.fit(
         inputs,
         labels,
@@ -119,13 +122,30 @@ def train(log_dir: str, epochs: int = 3, policy: str = "mixed_bfloat16") -> tupl
         epochs=epochs,
         validation_split=0.25,
         # AMPMonitor first: the values it adds to `logs` reach TensorBoard.
-        callbacks=[
-            callbacks.AMPMonitor(log_dir),
-            keras.callbacks.TensorBoard(log_dir),
-        ],
+        callbacks=[monitor, keras.callbacks.TensorBoard(log_dir)],
         verbose=2,
     )
-    return model, history
+    return model, history, monitor
+
+
+def events_by_layer(log_dir: str) -> collections.Counter:
+    """Count the overflow events AMPMonitor attributed to each layer.
+
+    Reads `<log_dir>/amp_events.jsonl`, the monitor's one-line-per-event log.
+
+    Args:
+        log_dir: the monitor's log directory.
+    """
+    counts = collections.Counter()
+    path = os.path.join(log_dir, "amp_events.jsonl")
+    if not os.path.exists(path):
+        return counts
+    with open(path, encoding="utf-8") as events:
+        for line in events:
+            event = json.loads(line)
+            if event.get("type") == "overflow":
+                counts.update(event.get("layers", ()))
+    return counts
 
 
 def main(log_dir: str, epochs: int = 3, policy: str = "mixed_bfloat16") -> int:
@@ -141,7 +161,7 @@ def main(log_dir: str, epochs: int = 3, policy: str = "mixed_bfloat16") -> int:
     """
     log_dir = os.path.abspath(log_dir)
     print(f"keras_amp_plus demo: policy={policy}, epochs={epochs}")
-    model, history = train(log_dir, epochs=epochs, policy=policy)
+    model, history, monitor = train(log_dir, epochs=epochs, policy=policy)
     summary = model.optimizer.overflow_summary()
     print()
     print(f"final loss: {history.history['loss'][-1]:.4f}")
@@ -150,10 +170,10 @@ def main(log_dir: str, epochs: int = 3, policy: str = "mixed_bfloat16") -> int:
         f"(NaN {summary['nan_steps']}, Inf {summary['inf_steps']}), "
         f"loss scale now {summary['loss_scale']:g}"
     )
-    worst = sorted(summary["by_variable"].items(), key=lambda item: -item[1])[:3]
-    for path, count in worst:
-        if count:
-            print(f"  {path}: non-finite gradient on {count} overflow steps")
+    for layer, count in events_by_layer(log_dir).most_common(3):
+        print(f"  AMPMonitor attributed {count} event(s) to layer {layer!r}")
+    if monitor.lists.deny_layers:
+        print(f"layers moved to float32: {', '.join(monitor.lists.deny_layers)}")
     print(f"TensorBoard logs: {log_dir}")
     print(f"view them with:   tensorboard --logdir {log_dir}")
     return 0

@@ -134,3 +134,31 @@ def test_demo_data_is_learnable_and_reproducible():
     assert set(np.unique(labels)) <= set(range(demo.CLASSES))
     # More than one class occurs, so a constant guess cannot reach 100 %.
     assert len(np.unique(labels)) > 1
+
+
+def _scalar_tags(run_dir: pathlib.Path) -> set:
+    from tensorboard.backend.event_processing import event_accumulator
+
+    accumulator = event_accumulator.EventAccumulator(str(run_dir))
+    accumulator.Reload()
+    return set(accumulator.Tags()["scalars"]) | set(accumulator.Tags()["tensors"])
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_demo_writes_tensorboard_logs(tmp_path, policy):
+    log_dir = tmp_path / "logs"
+    completed = _run_module(
+        "demo", "--log-dir", str(log_dir), "--epochs", "1", "--policy", policy
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    runs = {path.parent for path in log_dir.rglob("events.out.tfevents.*")}
+    assert {log_dir / "train", log_dir / "validation"} <= runs
+    assert "epoch_loss" in _scalar_tags(log_dir / "train")
+    assert f"tensorboard --logdir {log_dir}" in completed.stdout
+    overflow_line = next(
+        line for line in completed.stdout.splitlines() if "overflow steps:" in line
+    )
+    overflow_steps = int(overflow_line.split("overflow steps:")[1].split()[0])
+    if policy == "mixed_float16":
+        # The demo starts the loss scale at 2**24: float16 gradients overflow.
+        assert overflow_steps > 0

@@ -198,3 +198,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             }
         )
         return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Create the scaler from `get_config()` output (the dict is not consumed)."""
+        return super().from_config(dict(config), custom_objects=custom_objects)

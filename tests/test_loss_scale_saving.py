@@ -1,0 +1,137 @@
+"""Config round trips; .keras files, checkpoints and backups keep the records."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_amp_plus.optimizers import LossScaleOptimizer
+
+NON_DEFAULT_ARGS = dict(
+    initial_scale=64.0,
+    dynamic_growth_steps=3,
+    growth_factor=4.0,
+    backoff_factor=0.25,
+    min_scale=2.0,
+    max_scale=1024.0,
+    hysteresis=2,
+    on_min_scale="ignore",
+    event_buffer_size=5,
+    name="scaler",
+)
+
+
+def test_get_config_from_config_keeps_every_argument():
+    optimizer = LossScaleOptimizer(keras.optimizers.Adam(0.01), **NON_DEFAULT_ARGS)
+    config = optimizer.get_config()
+    for key, value in NON_DEFAULT_ARGS.items():
+        assert config[key] == value, key
+    restored = LossScaleOptimizer.from_config(config)
+    assert "inner_optimizer" in config  # from_config does not consume the dict
+    assert restored.get_config() == config
+    assert isinstance(restored.inner_optimizer, keras.optimizers.Adam)
+
+    serialized = keras.saving.serialize_keras_object(optimizer)
+    assert serialized["registered_name"] == "keras_amp_plus>LossScaleOptimizer"
+    again = keras.saving.deserialize_keras_object(serialized)
+    assert type(again) is LossScaleOptimizer
+    assert again.get_config() == config
+
+
+def test_guard_round_trips_as_a_fixed_scale_of_one():
+    guard = LossScaleOptimizer.guard(keras.optimizers.SGD(), event_buffer_size=7)
+    restored = LossScaleOptimizer.from_config(guard.get_config())
+    assert (restored.initial_scale, restored.min_scale, restored.max_scale) == (1, 1, 1)
+    assert restored.on_min_scale == "ignore"
+    assert restored.event_buffer_size == 7
+
+
+def make_trained_model():
+    """A model trained for 6 steps, 2 of which overflow (NaN inputs)."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4, name="hidden"), keras.layers.Dense(1)]
+    )
+    optimizer = LossScaleOptimizer(keras.optimizers.Adam(0.01), **NON_DEFAULT_ARGS)
+    model.compile(optimizer, "mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 3)).astype("float32")
+    y = rng.normal(size=(12, 1)).astype("float32")
+    x[2, 0] = x[8, 1] = np.nan
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0, shuffle=False)
+    return model, optimizer
+
+
+def record_state(optimizer):
+    """Everything the scaler saves; variables by column (paths depend on names)."""
+    state = optimizer.overflow_summary()
+    paths = optimizer.tracked_variable_paths()
+    state["by_variable"] = [state["by_variable"][p] for p in paths]
+    state["step_counter"] = int(optimizer.step_counter.numpy())
+    state["total_steps"] = int(optimizer.total_steps.numpy())
+    state["iterations"] = int(optimizer.iterations.numpy())
+    state["events"] = optimizer.read_events(0)
+    for event in state["events"]:
+        event["variables"] = [paths.index(p) for p in event["variables"]]
+    return state
+
+
+def continue_training(model):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(8, 3)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32")
+    x[4, 2] = np.inf
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0, shuffle=False)
+    return [w.numpy() for w in model.weights]
+
+
+def test_keras_file_restores_scale_and_counters_and_training_continues(tmp_path):
+    model, optimizer = make_trained_model()
+    state = record_state(optimizer)
+    assert state["overflow_count"] == 2 and state["nan_steps"] == 2
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+
+    loaded = keras.saving.load_model(path)
+    assert type(loaded.optimizer) is LossScaleOptimizer
+    assert record_state(loaded.optimizer) == state
+
+    weights_original = continue_training(model)
+    weights_loaded = continue_training(loaded)
+    for a, b in zip(weights_original, weights_loaded, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert record_state(loaded.optimizer) == record_state(optimizer)
+    assert record_state(optimizer)["overflow_count"] == 3
+
+
+def test_tf_checkpoint_restores_the_records(tmp_path):
+    model, optimizer = make_trained_model()
+    state = record_state(optimizer)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    saved = checkpoint.save(str(tmp_path / "ckpt"))
+    continue_training(model)
+    assert record_state(optimizer) != state
+    checkpoint.restore(saved).assert_consumed()
+    assert record_state(optimizer) == state
+
+
+def test_backup_and_restore_brings_back_the_records(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    model, optimizer = make_trained_model()
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(4, 3)).astype("float32")
+    y = rng.normal(size=(4, 1)).astype("float32")
+    x[0, 0] = np.nan
+    backup = keras.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[backup])
+    state = record_state(optimizer)
+
+    fresh_model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4, name="hidden"), keras.layers.Dense(1)]
+    )
+    fresh = LossScaleOptimizer(keras.optimizers.Adam(0.01), **NON_DEFAULT_ARGS)
+    fresh_model.compile(fresh, "mse")
+    restore = keras.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)
+    # The backup says epoch 1 is done: fit restores it and trains nothing more.
+    fresh_model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[restore])
+    assert record_state(fresh) == state
+    assert state["overflow_count"] == 3

@@ -1,0 +1,233 @@
+"""The loss-scale state machine, stepped one `apply()` at a time."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_amp_plus.optimizers import LossScaleOptimizer
+
+INF = float("inf")
+
+
+def make_stepper(optimizer, variable, compiled):
+    """Return step(grad_value) running one apply, eagerly or in a tf.function."""
+    optimizer.build([variable])
+
+    def step(gradient):
+        optimizer.apply([gradient], [variable])
+
+    run = tf.function(step) if compiled else step
+
+    def call(value):
+        run(tf.constant([value], tf.float32))
+
+    return call
+
+
+def scale_of(optimizer):
+    return float(optimizer.dynamic_scale.numpy())
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_four_overflows_back_off_400_to_25_and_skip_every_step(compiled):
+    variable = keras.Variable([1.0])
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=400.0, on_min_scale="ignore"
+    )
+    step = make_stepper(optimizer, variable, compiled)
+    expected = [200.0, 100.0, 50.0, 25.0]
+    for number, scale in enumerate(expected, start=1):
+        step(INF)
+        assert scale_of(optimizer) == scale
+        assert int(optimizer.overflow_count.numpy()) == number
+    assert variable.numpy().tolist() == [1.0]
+    assert int(optimizer.iterations.numpy()) == 0
+    assert int(optimizer.total_steps.numpy()) == 4
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_growth_after_dynamic_growth_steps_finite_steps(compiled):
+    variable = keras.Variable([1.0])
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.5), initial_scale=8.0, dynamic_growth_steps=3
+    )
+    step = make_stepper(optimizer, variable, compiled)
+    expected_weight = 1.0
+    for number, expected_scale in enumerate([8.0, 8.0, 16.0, 16.0, 16.0, 32.0], 1):
+        scale_before = scale_of(optimizer)
+        step(4.0)  # a scaled gradient: the true gradient is 4 / scale
+        expected_weight -= 0.5 * 4.0 / scale_before
+        assert scale_of(optimizer) == expected_scale, number
+        np.testing.assert_allclose(variable.numpy(), [expected_weight], rtol=1e-6)
+    assert int(optimizer.iterations.numpy()) == 6
+    assert int(optimizer.overflow_count.numpy()) == 0
+
+
+def test_scale_never_falls_below_min_scale():
+    variable = keras.Variable([1.0])
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        initial_scale=12.0,
+        min_scale=4.0,
+        on_min_scale="ignore",
+    )
+    step = make_stepper(optimizer, variable, compiled=True)
+    scales = []
+    for _ in range(4):
+        step(INF)
+        scales.append(scale_of(optimizer))
+    assert scales == [6.0, 4.0, 4.0, 4.0]
+    assert int(optimizer.overflow_count.numpy()) == 4
+
+
+def test_scale_never_rises_above_max_scale():
+    variable = keras.Variable([1.0])
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        initial_scale=8.0,
+        max_scale=24.0,
+        dynamic_growth_steps=1,
+    )
+    step = make_stepper(optimizer, variable, compiled=True)
+    scales = []
+    for _ in range(4):
+        step(1.0)
+        scales.append(scale_of(optimizer))
+    assert scales == [16.0, 24.0, 24.0, 24.0]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_hysteresis_backs_off_on_every_nth_overflow_since_last_change(compiled):
+    variable = keras.Variable([1.0])
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        initial_scale=64.0,
+        hysteresis=3,
+        dynamic_growth_steps=2,
+        on_min_scale="ignore",
+    )
+    step = make_stepper(optimizer, variable, compiled)
+    trace = []
+    # 3 overflows -> one backoff; 2 overflows, 2 finite (growth resets the
+    # overflow count), 2 overflows -> no backoff; third one -> backoff.
+    for value in [INF, INF, INF, INF, INF, 1.0, 1.0, INF, INF, INF]:
+        step(value)
+        trace.append(scale_of(optimizer))
+    assert trace == [64, 64, 32, 32, 32, 32, 64, 64, 64, 32]
+    assert int(optimizer.overflow_count.numpy()) == 8  # every overflow skipped
+    assert int(optimizer.iterations.numpy()) == 2
+
+
+def reference_schedule(steps, initial, growth_steps, growth, backoff, low, high, hyst):
+    """Plain-Python float64 model of the documented pseudo-code."""
+    scale, good, overflows, trace = float(initial), 0, 0, []
+    for finite in steps:
+        if finite:
+            good += 1
+            if good == growth_steps:
+                scale, good, overflows = min(scale * growth, high), 0, 0
+        else:
+            good, overflows = 0, overflows + 1
+            if overflows == hyst:
+                scale, overflows = max(scale * backoff, low), 0
+        trace.append(scale)
+    return trace
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_random_sequence_matches_reference_schedule(hysteresis):
+    rng = np.random.default_rng(hysteresis)
+    steps = (rng.random(60) > 0.35).tolist()
+    args = dict(
+        initial_scale=32.0,
+        dynamic_growth_steps=3,
+        growth_factor=4.0,
+        backoff_factor=0.25,
+        min_scale=2.0,
+        max_scale=512.0,
+        hysteresis=hysteresis,
+    )
+    variable = keras.Variable([1.0])
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), on_min_scale="ignore", **args
+    )
+    step = make_stepper(optimizer, variable, compiled=True)
+    trace = []
+    for finite in steps:
+        step(1.0 if finite else INF)
+        trace.append(scale_of(optimizer))
+    expected = reference_schedule(steps, *args.values())
+    assert trace == expected
+    assert int(optimizer.overflow_count.numpy()) == steps.count(False)
+
+
+def test_defaults_behave_like_keras_scaler():
+    grads = [3.0, INF, 5.0, 2.0, float("nan"), 1.0, 7.0, 0.5]
+    results = []
+    for cls in (keras.optimizers.LossScaleOptimizer, LossScaleOptimizer):
+        variable = keras.Variable([1.0])
+        optimizer = cls(keras.optimizers.Adam(0.1), dynamic_growth_steps=2)
+        step = make_stepper(optimizer, variable, compiled=True)
+        trace = []
+        for value in grads:
+            step(value)
+            trace.append((scale_of(optimizer), float(variable.numpy()[0])))
+        results.append(trace)
+    assert results[0] == results[1]
+
+
+def overflowing_model(optimizer):
+    """A model whose every step overflows: its input holds an Inf."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer, "mse")
+    x = np.array([[INF, 1.0]] * 4, "float32")
+    y = np.ones((4, 1), "float32")
+    return model, x, y
+
+
+def test_on_min_scale_raise_stops_fit_with_clear_message():
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        initial_scale=4.0,
+        min_scale=2.0,
+        on_min_scale="raise",
+    )
+    model, x, y = overflowing_model(optimizer)
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        model.fit(x, y, batch_size=2, epochs=3, verbose=0)
+    message = str(info.value)
+    assert "at step 2" in message
+    assert "loss scale 2" in message and "min_scale=2" in message
+    assert "learning rate" in message  # says what to try
+    assert scale_of(optimizer) == 2.0
+
+
+def test_on_min_scale_warn_warns_once_and_goes_on():
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=2.0, min_scale=2.0
+    )
+    model, x, y = overflowing_model(optimizer)
+    with pytest.warns(UserWarning, match="already at its floor") as caught:
+        model.fit(x, y, batch_size=2, epochs=3, verbose=0)
+    floor_warnings = [w for w in caught if "floor" in str(w.message)]
+    assert len(floor_warnings) == 1
+    assert "at step 1" in str(floor_warnings[0].message)
+    assert int(optimizer.overflow_count.numpy()) == 6
+
+
+def test_on_min_scale_ignore_is_silent():
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        initial_scale=2.0,
+        min_scale=2.0,
+        on_min_scale="ignore",
+    )
+    model, x, y = overflowing_model(optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.fit(x, y, batch_size=2, epochs=2, verbose=0)
+    assert int(optimizer.overflow_count.numpy()) == 4
+    assert scale_of(optimizer) == 2.0

@@ -1,0 +1,136 @@
+import os
+
+import keras
+import pytest
+import tensorflow as tf
+
+from keras_amp_plus import _compat
+from keras_amp_plus.engines import GrapplerEngine, KerasEngine
+from keras_amp_plus.engines.grappler import (
+    GRAPPLER_OPTION,
+    LOG_PATH_VARIABLE,
+    TOUCHED_VARIABLES,
+)
+from keras_amp_plus.policy import PrecisionLists
+from keras_amp_plus.report import precision_report, read_rewrite_dump
+
+DENY_ADD = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD"
+ALLOW_REMOVE = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_REMOVE"
+
+
+@pytest.fixture(autouse=True)
+def grappler_state():
+    """Grappler options and list variables are process-global: put them back."""
+    environment = {name: os.environ.get(name) for name in TOUCHED_VARIABLES}
+    options = tf.config.optimizer.get_experimental_options()
+    yield
+    for name, value in environment.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if GRAPPLER_OPTION in options:
+        tf.config.optimizer.set_experimental_options(
+            {GRAPPLER_OPTION: options[GRAPPLER_OPTION]}
+        )
+    else:
+        _compat.reset_grappler_option(GRAPPLER_OPTION)
+
+
+def _model():
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(4, name="d1"),
+            keras.layers.LayerNormalization(name="ln"),
+            keras.layers.Dense(2, name="d2"),
+        ]
+    )
+
+
+def _run_rewritten(dump_dir, function):
+    """Trace and run `function` once with the bf16 rewrite dumping to dump_dir."""
+    dump_dir.mkdir()  # grappler does not create it
+    os.environ[LOG_PATH_VARIABLE] = str(dump_dir)
+    tf.config.optimizer.set_experimental_options({GRAPPLER_OPTION: True})
+    function(tf.ones((4, 8)), tf.ones((8, 3)))
+    return read_rewrite_dump(str(dump_dir))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
+def test_keras_report_lists_each_layers_compute_dtype(policy):
+    keras.config.set_dtype_policy(policy)
+    model = _model()
+    KerasEngine().apply(model, PrecisionLists(deny_layers=("ln",)))
+    report = precision_report(model, "keras")
+    low = {"float32": "float32", "mixed_float16": "float16"}.get(policy, "bfloat16")
+    rows = {row["name"]: row for row in report["layers"]}
+    assert rows["ln"]["compute_dtype"] == "float32"
+    assert rows["ln"]["low_precision"] is False
+    assert rows["d1"]["compute_dtype"] == rows["d2"]["compute_dtype"] == low
+    assert rows["d1"]["variable_dtype"] == "float32"
+    assert rows["d1"]["class_name"] == "Dense"
+    assert report["num_layers"] == 3
+    assert report["num_low_precision_layers"] == (0 if policy == "float32" else 2)
+    assert report["engine"] == "keras" and "graph" not in report
+
+
+def test_graph_counts_match_a_known_function(tmp_path):
+    @tf.function
+    def matmul_relu(x, w):
+        return tf.nn.relu(tf.matmul(x, w))
+
+    dump = _run_rewritten(tmp_path / "on", matmul_relu)
+    (record,) = dump["functions"]
+    assert record["converted_by_op"] == {"MatMul": 1, "Relu": 1}
+    # x and w cast to bfloat16, the result cast back to float32.
+    assert record["num_casts_inserted"] == 3
+    assert record["num_converted"] == 2
+    assert record["is_train"] is False and dump["train"] is None
+    assert "MatMul" in record["lists"]["allow"]
+
+    os.environ[DENY_ADD] = "MatMul"
+    os.environ[ALLOW_REMOVE] = "MatMul"
+    matmul_relu = tf.function(matmul_relu.python_function)  # a fresh trace
+    assert _run_rewritten(tmp_path / "deny", matmul_relu)["functions"] == []
+
+
+def test_nodes_already_in_bfloat16_are_not_counted(tmp_path):
+    @tf.function
+    def half_converted(x, w):
+        low = tf.matmul(tf.cast(x, tf.bfloat16), tf.cast(w, tf.bfloat16))
+        return tf.matmul(x, w) + tf.cast(low, tf.float32)
+
+    (record,) = _run_rewritten(tmp_path / "dump", half_converted)["functions"]
+    assert record["converted_by_op"] == {"AddV2": 1, "MatMul": 1}
+
+
+def test_report_follows_the_grappler_engine(tmp_path):
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse")
+    engine = GrapplerEngine(log_dir=str(tmp_path))
+    engine.apply(model, PrecisionLists(deny_layers=("ln",)))
+    model.fit(tf.ones((4, 4)), tf.ones((4, 2)), epochs=1, verbose=0)
+    by_engine = precision_report(model, engine)
+    by_default = precision_report(model)  # option on -> "grappler", env dump dir
+    assert by_engine["engine"] == by_default["engine"] == "grappler"
+    assert by_engine["graph"] == by_default["graph"]
+    train = by_engine["graph"]["train"]
+    assert train["is_train"] is True
+    # 2 forward, 2 weight gradients, 1 input gradient (d2 only: d1 sees data).
+    assert train["converted_by_op"]["MatMul"] == 5
+    assert "Rsqrt" not in train["converted_by_op"]
+    assert by_engine["num_low_precision_layers"] == 0  # policies untouched
+    engine.restore()
+    assert precision_report(model)["engine"] == "keras"
+
+
+def test_a_graph_report_without_dump_dir_explains_how_to_get_one(monkeypatch):
+    monkeypatch.delenv(LOG_PATH_VARIABLE, raising=False)
+    with pytest.raises(ValueError, match=rf"set `{LOG_PATH_VARIABLE}` before"):
+        precision_report(_model(), "grappler")
+
+
+def test_unknown_engine_names_are_rejected():
+    with pytest.raises(ValueError, match=r"Received: engine='tpu'"):
+        precision_report(_model(), "tpu")

@@ -1,0 +1,78 @@
+"""Bad arguments and inputs raise Keras-style errors naming the received value."""
+
+import numpy as np
+import pytest
+
+from keras_amp_plus import layers
+
+NORMALIZATIONS = (layers.LayerNormalization, layers.InstanceNormalization)
+
+
+@pytest.mark.parametrize("layer", NORMALIZATIONS)
+@pytest.mark.parametrize("epsilon", [0.0, -1e-3])
+def test_non_positive_epsilon_raises(layer, epsilon):
+    with pytest.raises(ValueError, match=f"Received: epsilon={epsilon}"):
+        layer(epsilon=epsilon)
+
+
+@pytest.mark.parametrize("layer", NORMALIZATIONS)
+def test_non_numeric_epsilon_raises(layer):
+    with pytest.raises(TypeError, match="Received: epsilon='small'"):
+        layer(epsilon="small")
+
+
+@pytest.mark.parametrize("layer", NORMALIZATIONS)
+def test_non_integer_axis_raises(layer):
+    with pytest.raises(TypeError, match=r"Received: axis=1\.5"):
+        layer(axis=1.5)
+
+
+def test_instance_normalization_axis_list_raises():
+    with pytest.raises(TypeError, match=r"Received: axis=\[1, 2\]"):
+        layers.InstanceNormalization(axis=[1, 2])
+
+
+@pytest.mark.parametrize("layer", NORMALIZATIONS)
+def test_axis_out_of_bounds_raises_before_weights_exist(layer):
+    instance = layer(axis=5)
+    with pytest.raises(ValueError, match="Received: axis=5"):
+        instance(np.zeros((2, 3, 4, 4), "float32"))
+    assert not instance.weights
+
+
+def test_duplicate_axes_raise():
+    with pytest.raises(ValueError, match=r"Received: axis=\[2, -1\]"):
+        layers.LayerNormalization(axis=[2, -1])(np.zeros((2, 3, 4), "float32"))
+
+
+def test_instance_normalization_on_batch_axis_raises():
+    with pytest.raises(ValueError, match="Received: axis=0"):
+        layers.InstanceNormalization(axis=0)(np.zeros((2, 3, 4), "float32"))
+
+
+def test_instance_normalization_rank_too_low_raises():
+    with pytest.raises(ValueError, match=r"Received: input_shape=\(2, 8\)"):
+        layers.InstanceNormalization()(np.zeros((2, 8), "float32"))
+
+
+def test_layer_normalization_rank_too_low_for_axis_raises():
+    with pytest.raises(ValueError, match="Received: axis=-2"):
+        layers.LayerNormalization(axis=-2)(np.zeros((8,), "float32"))
+
+
+@pytest.mark.parametrize("layer", (*NORMALIZATIONS, layers.Swish))
+def test_integer_input_raises(layer):
+    with pytest.raises(TypeError, match=r"Received: inputs\.dtype=int32"):
+        layer()(np.ones((2, 3, 4), "int32"))
+
+
+def test_undefined_weight_axis_raises():
+    import keras
+
+    with pytest.raises(ValueError, match="undefined"):
+        layers.LayerNormalization()(keras.Input((3, None)))
+
+
+def test_swish_non_numeric_beta_raises():
+    with pytest.raises(TypeError, match="Received: beta='one'"):
+        layers.Swish(beta="one")

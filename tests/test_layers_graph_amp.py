@@ -1,0 +1,67 @@
+"""Statistics stay float32 under TensorFlow's graph-level bfloat16 rewrite.
+
+`auto_mixed_precision_onednn_bfloat16` paints Keras's LayerNormalization
+statistics ops bfloat16 (see the notes in graph-amp-and-itex.md); ours run in
+an XLA-compiled function, which the rewrite leaves alone.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_amp_plus import _compat, layers
+
+REWRITE = "auto_mixed_precision_onednn_bfloat16"
+FEATURES = 64
+
+
+@contextlib.contextmanager
+def bf16_graph_rewrite():
+    previous = tf.config.optimizer.get_experimental_options().get(REWRITE)
+    tf.config.optimizer.set_experimental_options({REWRITE: True})
+    try:
+        yield
+    finally:
+        if previous is None:
+            _compat.reset_grappler_option(REWRITE)
+        else:
+            tf.config.optimizer.set_experimental_options({REWRITE: previous})
+
+
+def _far_inputs():
+    # N(1000, ~8) rounded to values bfloat16 holds exactly (spacing 4 near
+    # 1000), so the bfloat16 MatMul in front of the layer passes them unchanged
+    # and any error comes from the layer's statistics.
+    rng = np.random.default_rng(0)
+    return (1000 + 4 * rng.integers(-3, 4, (32, FEATURES))).astype("float32")
+
+
+def _reference(x, epsilon=1e-3):
+    x = x.astype(np.float64)
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(x.var(-1, keepdims=True) + epsilon)
+
+
+def _max_error_under_rewrite(norm_layer, x):
+    inputs = keras.Input((FEATURES,))
+    # An ALLOW-list op (MatMul) in front, so the rewrite paints what follows.
+    hidden = keras.layers.Dense(
+        FEATURES, use_bias=False, kernel_initializer="identity"
+    )(inputs)
+    model = keras.Model(inputs, norm_layer(hidden))
+    outputs = tf.function(model)(tf.constant(x))
+    return np.abs(np.asarray(outputs, np.float64) - _reference(x)).max()
+
+
+def test_statistics_stay_float32_under_bf16_graph_rewrite():
+    options_before = tf.config.optimizer.get_experimental_options()
+    x = _far_inputs()
+    with bf16_graph_rewrite():
+        ours = _max_error_under_rewrite(layers.LayerNormalization(), x)
+        keras_error = _max_error_under_rewrite(keras.layers.LayerNormalization(), x)
+    assert tf.config.optimizer.get_experimental_options() == options_before
+    assert ours < 1e-5  # float32 statistics
+    # The rewrite really was on: Keras's own layer lost its float32 statistics.
+    assert keras_error > 0.05

@@ -1,0 +1,66 @@
+"""Bad arguments raise ValueError/TypeError naming the received value."""
+
+import keras
+import pytest
+
+from keras_amp_plus import _compat
+from keras_amp_plus.optimizers import LossScaleOptimizer
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_scale": 0.0, "initial_scale": 1.0}, "min_scale=0.0"),
+        ({"min_scale": -1.0, "initial_scale": 1.0}, "min_scale=-1.0"),
+        ({"min_scale": 8.0, "max_scale": 4.0, "initial_scale": 4.0}, "max_scale=4.0"),
+        ({"backoff_factor": 0.0}, "backoff_factor=0.0"),
+        ({"backoff_factor": 1.0}, "backoff_factor=1.0"),
+        ({"backoff_factor": 1.5}, "backoff_factor=1.5"),
+        ({"growth_factor": 0.5}, "growth_factor=0.5"),
+        ({"hysteresis": 0}, "hysteresis=0"),
+        ({"hysteresis": 1.5}, "hysteresis=1.5"),
+        ({"dynamic_growth_steps": 0}, "dynamic_growth_steps=0"),
+        ({"on_min_scale": "stop"}, "on_min_scale='stop'"),
+        ({"initial_scale": 0.5}, "initial_scale=0.5"),
+        ({"initial_scale": 2.0**30}, "initial_scale=1073741824.0"),
+        ({"initial_scale": float("nan")}, "initial_scale=nan"),
+        ({"event_buffer_size": 0}, "event_buffer_size=0"),
+    ],
+)
+def test_bad_numbers_raise_value_error_naming_the_value(kwargs, message):
+    inner = keras.optimizers.SGD()
+    with pytest.raises(ValueError, match="Received: .*" + message.replace("*", r"\*")):
+        LossScaleOptimizer(inner, **kwargs)
+    assert inner.loss_scale_factor is None  # nothing was changed
+
+
+@pytest.mark.parametrize("inner", ["adam", None, keras.layers.Dense(1)])
+def test_inner_that_is_not_a_keras_optimizer_raises_type_error(inner):
+    with pytest.raises(TypeError, match="Received: inner_optimizer="):
+        LossScaleOptimizer(inner)
+
+
+def test_wrapping_a_scaler_raises_type_error():
+    scaler = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    with pytest.raises(TypeError, match="already a LossScaleOptimizer"):
+        LossScaleOptimizer(scaler)
+
+
+def test_is_a_keras_loss_scale_optimizer():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD())
+    assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)
+
+
+def test_keras_names_the_subclass_depends_on_still_exist():
+    # If this fails, Keras renamed a private hook our `apply()` replaces or an
+    # attribute we read: re-check keras_amp_plus/optimizers/_apply_step.py.
+    keras_class = keras.optimizers.LossScaleOptimizer
+    for name in _compat.KERAS_LOSS_SCALE_BYPASSED_HOOKS:
+        assert callable(getattr(keras_class, name, None)), name
+    built = keras_class(keras.optimizers.SGD())
+    built.build([keras.Variable([1.0])])
+    for name in _compat.KERAS_LOSS_SCALE_ATTRIBUTES:
+        assert hasattr(built, name), name
+    assert LossScaleOptimizer.apply is not keras_class.apply
+    assert isinstance(_compat.strategy_supports_no_merge_call(), bool)

@@ -1,0 +1,134 @@
+"""Real training with `fit`, and exact counters under MirroredStrategy.
+
+This file is also the MirroredStrategy worker: run as a script it configures
+2 logical CPUs before TensorFlow starts its devices, which cannot be undone
+inside the pytest process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_amp_plus.optimizers import LossScaleOptimizer
+
+
+def regression_data(seed=0, n=256):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    w = rng.normal(size=(8, 1))
+    y = (np.tanh(x @ w) + 0.1 * x[:, :1] ** 2).astype("float32")
+    return x, y
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
+def test_fit_trains_a_small_model(policy):
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    inner = keras.optimizers.Adam(3e-3)
+    if policy == "mixed_bfloat16":
+        optimizer = LossScaleOptimizer.guard(inner)
+    else:
+        optimizer = LossScaleOptimizer(inner, dynamic_growth_steps=20)
+    model.compile(optimizer, "mse")
+    # compile must not wrap our scaler a second time under mixed_float16.
+    assert model.optimizer is optimizer
+    x, y = regression_data()
+    history = model.fit(x, y, batch_size=32, epochs=8, verbose=0)
+    losses = history.history["loss"]
+    assert losses[-1] < 0.5 * losses[0]
+    summary = optimizer.overflow_summary()
+    assert int(optimizer.total_steps.numpy()) == 8 * 8
+    assert int(optimizer.iterations.numpy()) == 64 - summary["overflow_count"]
+    if policy == "mixed_float16":
+        # 2**15 * loss gradients fit float16 here: the scale grew 3 times.
+        assert summary["loss_scale"] >= 2.0**15
+    else:
+        assert summary["overflow_count"] == 0
+
+
+OVERFLOW_STEPS = (1, 4, 5)  # 0-based steps whose FIRST replica sees an Inf input
+NUM_STEPS = 8
+GLOBAL_BATCH = 4
+
+
+def run_mirrored_worker():
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(NUM_STEPS * GLOBAL_BATCH, 3)).astype("float32")
+    y = rng.normal(size=(NUM_STEPS * GLOBAL_BATCH, 1)).astype("float32")
+    for step in OVERFLOW_STEPS:
+        x[step * GLOBAL_BATCH, 0] = np.inf  # row 0 of the batch: replica 0 only
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")])
+        optimizer = LossScaleOptimizer(
+            keras.optimizers.SGD(0.01),
+            initial_scale=4.0,
+            min_scale=2.0,
+            dynamic_growth_steps=2,
+        )
+        model.compile(optimizer, "mse")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(dataset, epochs=1, verbose=0)
+    result = optimizer.overflow_summary()
+    result.update(
+        total_steps=int(optimizer.total_steps.numpy()),
+        iterations=int(optimizer.iterations.numpy()),
+        events=optimizer.read_events(0),
+        num_replicas=strategy.num_replicas_in_sync,
+        floor_warnings=sum("floor" in str(w.message) for w in caught),
+        weights_finite=all(np.isfinite(w.numpy()).all() for w in model.weights),
+    )
+    json.dump(result, sys.stdout)
+
+
+def test_mirrored_strategy_counts_each_overflow_step_once():
+    completed = subprocess.run(
+        [sys.executable, __file__],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["num_replicas"] == 2
+    assert result["overflow_count"] == 3  # once per step, not once per replica
+    assert (result["inf_steps"], result["nan_steps"]) == (3, 0)
+    assert result["total_steps"] == NUM_STEPS
+    assert result["iterations"] == NUM_STEPS - 3
+    assert result["by_variable"] == {"sequential/d/kernel": 3, "sequential/d/bias": 3}
+    assert [e["step"] for e in result["events"]] == [s + 1 for s in OVERFLOW_STEPS]
+    # 4 -> 2 at step 2; regrown to 4 after 2 finite steps; 4 -> 2; at the floor.
+    assert [[e["scale_before"], e["scale_after"]] for e in result["events"]] == [
+        [4.0, 2.0],
+        [4.0, 2.0],
+        [2.0, 2.0],
+    ]
+    assert result["floor_warnings"] == 1
+    assert result["loss_scale"] == 4.0
+    assert result["weights_finite"]
+
+
+if __name__ == "__main__":
+    run_mirrored_worker()

@@ -154,3 +154,35 @@ def test_each_apply_dumps_into_a_fresh_directory(tmp_path):
     assert engine.dump_dir != first
     assert sorted(os.listdir(tmp_path)) == ["apply_001", "apply_002"]
     engine.restore()
+
+
+class _ApplyAfterFirstEpoch(keras.callbacks.Callback):
+    """What AMPMonitor does: change the lists between epochs, inside `fit`."""
+
+    def __init__(self, engine, lists):
+        super().__init__()
+        self.engine, self.lists, self.functions = engine, lists, []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.functions.append(self.model.train_function)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            self.engine.apply(self.model, self.lists)
+
+
+def test_apply_between_epochs_takes_effect_in_the_next_epoch(tmp_path):
+    model = _model()
+    engine = GrapplerEngine(log_dir=str(tmp_path))
+    engine.apply(model, PrecisionLists())
+    callback = _ApplyAfterFirstEpoch(engine, PrecisionLists(deny_ops=("MatMul",)))
+    x = np.ones((8, 6, 6, 2), "float32")
+    history = model.fit(x, np.ones((8, 2)), epochs=2, verbose=0, callbacks=[callback])
+    first, second = callback.functions
+    assert first is not second
+    assert np.all(np.isfinite(history.history["loss"]))
+    epoch_1 = precision_report(model, engine, log_dir=str(tmp_path / "apply_001"))
+    epoch_2 = precision_report(model, engine)
+    assert epoch_1["graph"]["train"]["converted_by_op"]["MatMul"] == 6
+    assert "MatMul" not in epoch_2["graph"]["train"]["converted_by_op"]
+    engine.restore()

@@ -101,12 +101,12 @@ class PrecisionLists:
     True
     """
 
-    allow_layers: tuple = ()
-    deny_layers: tuple = ()
-    allow_ops: tuple = ()
-    infer_ops: tuple = ()
-    clear_ops: tuple = ()
-    deny_ops: tuple = ()
+    allow_layers: tuple[str, ...] = ()
+    deny_layers: tuple[str, ...] = ()
+    allow_ops: tuple[str, ...] = ()
+    infer_ops: tuple[str, ...] = ()
+    clear_ops: tuple[str, ...] = ()
+    deny_ops: tuple[str, ...] = ()
 
     def __post_init__(self):
         for field in LAYER_FIELDS + OP_FIELDS:
@@ -244,10 +244,18 @@ class PrecisionLists:
             environ: mapping to read instead of `os.environ`. Defaults to None.
         """
         environ = os.environ if environ is None else environ
-        ops = {field: [] for field in OP_FIELDS}
+        ops, read = {field: [] for field in OP_FIELDS}, {}
         for field in OP_FIELDS:
             list_name = field.split("_")[0].upper() + "LIST_ADD"
             for prefix in _ENV_PREFIXES:
                 value = environ.get(prefix + list_name, "")
+                if value:
+                    read[prefix + list_name] = value
                 ops[field].extend(n.strip() for n in value.split(",") if n.strip())
-        return cls(**ops)
+        try:
+            return cls(**ops)
+        except ValueError as error:
+            raise ValueError(
+                f"The mixed-precision list variables in the environment are "
+                f"inconsistent: {error} Fix or unset them. Received: {read}"
+            ) from None

@@ -113,8 +113,12 @@ def test_from_env_with_an_explicit_mapping_and_a_conflict():
         "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_ADD": "MatMul",
         "ITEX_AUTO_MIXED_PRECISION_DENYLIST_ADD": "MatMul",
     }
-    with pytest.raises(ValueError, match="'MatMul' is in both `allow_ops` and"):
+    with pytest.raises(ValueError) as info:
         PrecisionLists.from_env(environ)
+    message = str(info.value)
+    assert "'MatMul' is in both `allow_ops` and `deny_ops`" in message
+    assert "'ITEX_AUTO_MIXED_PRECISION_DENYLIST_ADD': 'MatMul'" in message
+    assert "'TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_ADD': 'MatMul'" in message
 
 
 @pytest.mark.parametrize(

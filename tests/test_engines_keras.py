@@ -153,3 +153,34 @@ def test_an_unknown_entry_changes_nothing():
     with pytest.raises(ValueError, match=r"'hed' matches no layer.*Did you mean head"):
         resolve_engine("keras", model).apply(model, lists)
     assert set(_compute_dtypes(model).values()) == {"bfloat16"}
+
+
+class _DenyAfterFirstEpoch(keras.callbacks.Callback):
+    """What AMPMonitor does: move a layer between epochs, inside `fit`."""
+
+    def __init__(self, lists):
+        super().__init__()
+        self.engine, self.lists = KerasEngine(), lists
+        self.functions, self.head_dtypes = [], []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.functions.append(self.model.train_function)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.head_dtypes.append(self.model.get_layer("head").compute_dtype)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            self.engine.apply(self.model, self.lists)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_apply_between_epochs_inside_fit(policy):
+    model = _model(policy)
+    x, y = _data()
+    callback = _DenyAfterFirstEpoch(PrecisionLists(deny_layers=("head",)))
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[callback])
+    assert callback.functions[0] is not callback.functions[1]
+    assert callback.head_dtypes == [LOW[policy]] * 2 + ["float32"] * 2
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert model.predict(x, verbose=0).dtype == np.float32

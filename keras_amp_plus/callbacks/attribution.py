@@ -94,7 +94,8 @@ def find_forward_overflow(model, data, layers) -> dict:
         `{"layer": path or None, "reason": str}`. `reason` is one of
         `"output"` (finite inputs, non-finite output), `"input_cast"` (the layer's
         inputs became non-finite when cast to its compute dtype), `"bad_data"`
-        (the batch itself holds Inf/NaN) or `"not_reproduced"`.
+        (the batch itself holds Inf/NaN), `"non-finite weights in <path>"` (an
+        unguarded update already broke the weights) or `"not_reproduced"`.
     """
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     if not _all_finite(x):
@@ -132,7 +133,12 @@ def find_forward_overflow(model, data, layers) -> dict:
             variable.assign(value)
     for layer, inputs_finite, outputs_finite in finished:
         if inputs_finite and not outputs_finite:
-            return {"layer": _compat.layer_path(layer), "reason": "output"}
+            path = _compat.layer_path(layer)
+            if not _all_finite([tf.convert_to_tensor(w) for w in layer.weights]):
+                # Weights already broken by an earlier unguarded update: the
+                # replay cannot tell where the overflow began.
+                return {"layer": None, "reason": f"non-finite weights in {path}"}
+            return {"layer": path, "reason": "output"}
     for layer, inputs_finite in entered:
         if not inputs_finite:
             return {"layer": _compat.layer_path(layer), "reason": "input_cast"}

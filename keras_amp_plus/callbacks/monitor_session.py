@@ -18,6 +18,7 @@ from keras_amp_plus.callbacks.step_recorder import (
     StepRecorder,
 )
 from keras_amp_plus.engines import resolve_engine
+from keras_amp_plus.engines.itex import require_itex
 from keras_amp_plus.policy import OP_FIELDS, PrecisionLists
 
 logger = logging.getLogger("keras_amp_plus")
@@ -91,6 +92,8 @@ class MonitorSession:
         self.monitor = monitor
         self.model = model
         self.engine = resolve_engine(monitor.engine, model)
+        if self.engine.name == "itex":
+            require_itex()  # fail now, not at the first list change
         if self.engine.level == "layer":
             ops = {f: getattr(monitor.lists, f) for f in OP_FIELDS}
             if any(ops.values()):

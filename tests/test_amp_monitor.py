@@ -1,0 +1,228 @@
+"""AMPMonitor end to end: a model with one layer that overflows float16 on purpose.
+
+`hot` is a Dense with a large fixed (non-trainable) kernel: its outputs are
+about 1e5, fine in float32 and Inf in float16 (max 65504). The LayerNormalization
+after it (float32 statistics in Keras 3) brings them back to order 1, so once
+`hot` runs in float32 the rest of the model trains in float16 without trouble.
+"""
+
+import json
+import logging
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorboard.backend.event_processing import event_accumulator
+
+from keras_amp_plus.callbacks import AMPMonitor
+from keras_amp_plus.optimizers import LossScaleOptimizer
+
+BATCH, SAMPLES = 16, 128
+STEPS_PER_EPOCH = SAMPLES // BATCH
+EPOCHS = 10  # enough for float16 (first epoch skipped) to catch up with float32
+
+
+def overflow_model(policy, scaler="ours", hot_scale=3e4, **scaler_kwargs):
+    """Return a compiled model whose layer `hot` overflows float16."""
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, name="d1")(inputs)
+    h = keras.layers.Dense(
+        16,
+        name="hot",
+        trainable=False,
+        kernel_initializer=keras.initializers.RandomNormal(stddev=hot_scale, seed=1),
+    )(h)
+    h = keras.layers.LayerNormalization(name="ln")(h)
+    outputs = keras.layers.Dense(1, name="head")(h)
+    model = keras.Model(inputs, outputs)
+    optimizer = keras.optimizers.Adam(0.1)
+    if scaler == "ours":
+        optimizer = LossScaleOptimizer(optimizer, **scaler_kwargs)
+    elif scaler == "guard":
+        optimizer = LossScaleOptimizer.guard(optimizer)
+    # scaler "keras": compile wraps Adam in Keras's scaler under mixed_float16.
+    model.compile(optimizer, loss="mse", auto_scale_loss=(scaler == "keras"))
+    return model
+
+
+def regression_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 4)).astype("float32")
+    w = np.array([[1.0], [2.0], [-1.0], [0.5]])
+    y = np.tanh(x @ w) + 0.3 * rng.normal(size=(SAMPLES, 1))
+    return x, y.astype("float32")
+
+
+def train(model, callbacks, epochs=5, **fit_kwargs):
+    x, y = regression_data()
+    return model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+        **fit_kwargs,
+    )
+
+
+def read_jsonl(log_dir):
+    with open(os.path.join(log_dir, "amp_events.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def read_tensorboard(log_dir):
+    accumulator = event_accumulator.EventAccumulator(
+        os.path.join(log_dir, "amp"), size_guidance={"tensors": 0}
+    )
+    accumulator.Reload()
+    return accumulator
+
+
+def scalar_series(accumulator, tag):
+    """Return `{step: value}` of a tf.summary scalar (stored as a tensor)."""
+    return {
+        event.step: float(tf.make_ndarray(event.tensor_proto))
+        for event in accumulator.Tensors(tag)
+    }
+
+
+def text_values(accumulator, tag):
+    return [
+        tf.make_ndarray(event.tensor_proto).item().decode()
+        for event in accumulator.Tensors(tag)
+    ]
+
+
+def test_forward_overflow_is_attributed_and_denied(tmp_path):
+    log_dir = str(tmp_path / "logs")
+    model = overflow_model("mixed_float16")
+    # patience=10: `hot` must not be tried in float16 again within this run.
+    monitor = AMPMonitor(log_dir, read_every_steps=4, patience=10)
+    csv_path = str(tmp_path / "log.csv")
+    history = train(
+        model, [monitor, keras.callbacks.CSVLogger(csv_path)], epochs=EPOCHS
+    )
+
+    # Every step of epoch 0 overflows (skipped); after it `hot` is denied.
+    assert history.history["overflow_events"] == [STEPS_PER_EPOCH] + [0] * (EPOCHS - 1)
+    events = [r for r in read_jsonl(log_dir) if r["type"] == "overflow"]
+    assert len(events) == STEPS_PER_EPOCH
+    assert [e["step"] for e in events] == list(range(1, STEPS_PER_EPOCH + 1))
+    assert all(e["layers"] == ["hot"] and e["direction"] == "forward" for e in events)
+    assert all(e["epoch"] == 0 and e["kind"] in ("nan", "inf") for e in events)
+    assert [e["scale_before"] for e in events] == [
+        2.0 ** (15 - i) for i in range(STEPS_PER_EPOCH)
+    ]
+    assert all(e["scale_after"] == e["scale_before"] / 2 for e in events)
+    changes = [r for r in read_jsonl(log_dir) if r["type"] == "list_change"]
+    assert [(c["epoch"], c["name"], c["from"], c["to"]) for c in changes] == [
+        (0, "hot", None, "deny")
+    ]
+    assert monitor.lists.deny_layers == ("hot",)
+    policies = {layer.name: layer.compute_dtype for layer in model.layers[1:]}
+    assert policies == {
+        "d1": "float16",
+        "hot": "float32",
+        "ln": "float16",
+        "head": "float16",
+    }
+    # logs reach History and CSVLogger (the monitor runs before them).
+    with open(csv_path) as f:
+        header = f.readline().strip().split(",")
+    assert "loss_scale" in header and "overflow_events" in header
+    assert history.history["loss_scale"][-1] == 2.0**15 / 2**STEPS_PER_EPOCH
+
+    # Same model, float32 throughout: the final loss is within 5%.
+    reference = train(overflow_model("float32", scaler="none"), [], epochs=EPOCHS)
+    final, final32 = history.history["loss"][-1], reference.history["loss"][-1]
+    assert abs(final - final32) / final32 < 0.05
+
+    accumulator = read_tensorboard(log_dir)
+    per_epoch = {epoch: 0.0 for epoch in range(EPOCHS)}
+    per_epoch[0] = float(STEPS_PER_EPOCH)
+    assert scalar_series(accumulator, "amp/overflow/hot") == per_epoch
+    assert scalar_series(accumulator, "amp/overflow_events") == per_epoch
+    assert scalar_series(accumulator, "amp/overflow_rate")[0] == 1.0
+    skipped = scalar_series(accumulator, "amp/skipped_steps")
+    assert skipped[4] == 4.0 and max(skipped.values()) == STEPS_PER_EPOCH
+    scales = scalar_series(accumulator, "amp/loss_scale")
+    assert scales[4] == 2.0**11 and scales[EPOCHS * STEPS_PER_EPOCH] == 2.0**7
+    assert "hot" in text_values(accumulator, "amp/lists")[-1]
+    assert "| layer | hot | None | deny |" in text_values(accumulator, "amp/changes")[0]
+
+
+def test_without_adaptation_overflows_go_on(tmp_path):
+    # The scale reaches its floor after 15 overflows; its warning is not tested.
+    model = overflow_model("mixed_float16", on_min_scale="ignore")
+    monitor = AMPMonitor(str(tmp_path), adapt=False, read_every_steps=3)
+    history = train(model, [monitor], epochs=3)
+    assert history.history["overflow_events"] == [STEPS_PER_EPOCH] * 3
+    assert monitor.lists.deny_layers == ()
+    assert model.get_layer("hot").compute_dtype == "float16"
+    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    assert len(events) == 3 * STEPS_PER_EPOCH
+    assert {tuple(e["layers"]) for e in events} == {("hot",)}
+
+
+def test_keras_scaler_events_from_scale_changes(tmp_path):
+    model = overflow_model("mixed_float16", scaler="keras")
+    assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer
+    monitor = AMPMonitor(str(tmp_path), read_every_steps=5)
+    history = train(model, [monitor], epochs=2)
+    assert history.history["overflow_events"] == [STEPS_PER_EPOCH, 0]
+    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    # Exact count and scales from the in-graph ring, without our scaler.
+    assert [e["scale_before"] for e in events] == [
+        2.0 ** (15 - i) for i in range(STEPS_PER_EPOCH)
+    ]
+    assert all(e["layers"] == ["hot"] for e in events)
+    assert all(e["implicated_layers"] == [] for e in events)
+    assert model.get_layer("hot").compute_dtype == "float32"
+    assert model.optimizer.dynamic_scale.numpy() == 2.0**7
+
+
+@pytest.mark.parametrize("scaler", ["none", "guard"])
+def test_bfloat16_non_finite_loss_is_watched(tmp_path, caplog, scaler):
+    # bfloat16 has float32's range: make `hot` overflow float32 too.
+    model = overflow_model("mixed_bfloat16", scaler=scaler, hot_scale=5e37)
+    monitor = AMPMonitor(str(tmp_path), adapt=False, read_every_steps=4)
+    with caplog.at_level(logging.INFO, logger="keras_amp_plus"):
+        history = train(model, [monitor], epochs=1)
+    assert history.history["overflow_events"] == [STEPS_PER_EPOCH]
+    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    assert [e["step"] for e in events] == list(range(1, STEPS_PER_EPOCH + 1))
+    advice = [r for r in caplog.records if "LossScaleOptimizer.guard" in r.message]
+    if scaler == "none":
+        assert "loss_scale" not in history.history
+        assert len(advice) == 1 and advice[0].levelname == "WARNING"
+        # Unguarded, the first update made the weights NaN: the replay must not
+        # blame the layer whose weights are broken.
+        assert all(e["layers"] == [] for e in events)
+        assert all("non-finite weights in d1" in e["evidence"] for e in events)
+    else:
+        assert {tuple(e["layers"]) for e in events} == {("hot",)}
+        assert history.history["loss_scale"] == [1.0]
+        assert advice == []
+        assert int(model.optimizer.overflow_count.numpy()) == STEPS_PER_EPOCH
+
+
+def test_scaler_calibration_is_not_blamed_on_a_layer(tmp_path):
+    # A huge initial scale makes the first steps overflow in backward only.
+    model = overflow_model("mixed_float16", hot_scale=1.0, initial_scale=2.0**24)
+    monitor = AMPMonitor(str(tmp_path), read_every_steps=2)
+    history = train(model, [monitor], epochs=2)
+    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    assert 0 < len(events) == sum(history.history["overflow_events"])
+    assert all(e["direction"] == "backward" for e in events)
+    for event in events:
+        # Attributed to the implicated layer closest to the loss.
+        assert event["layers"] == event["implicated_layers"][-1:]
+        assert event["scale_before"] > 1.0
+    assert monitor.lists.deny_layers == ()
+    assert [r for r in read_jsonl(str(tmp_path)) if r["type"] == "list_change"] == []

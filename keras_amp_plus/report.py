@@ -125,7 +125,11 @@ def _engine_name(model, engine) -> str:
         return engine.name
     if engine is None:
         options = tf.config.optimizer.get_experimental_options()
-        return "grappler" if options.get(GRAPPLER_OPTION) else "keras"
+        # `auto_mixed_precision_mkl` is the deprecated name of the same rewrite.
+        rewrite_on = options.get(GRAPPLER_OPTION) or options.get(
+            "auto_mixed_precision_mkl"
+        )
+        return "grappler" if rewrite_on else "keras"
     if engine not in ENGINE_NAMES:
         raise ValueError(
             f"`engine` must be one of {list(ENGINE_NAMES)}, an Engine or None. "

@@ -69,9 +69,13 @@ def _layer_placements(model, lists) -> dict:
     decisions = layer_matching.layer_decisions(
         model, lists.allow_layers, lists.deny_layers
     )
+    entries = set(lists.allow_layers) | set(lists.deny_layers)
     for layer, kind in decisions.values():
         layer_op_types = op_types_for_layer(layer)
-        if not layer_op_types and not layer_matching.candidate_layers(layer):
+        # Only warn for layers named outright: a regex such as ".*" reaching
+        # Flatten or Dropout is not a mistake.
+        named = {layer.name, layer.path, type(layer).__name__} & entries
+        if named and not layer_op_types:
             warnings.warn(
                 f"Layer {layer.name!r} ({type(layer).__name__}) has no op-type "
                 "mapping, so a graph engine cannot place it in a list. List its "

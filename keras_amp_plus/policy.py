@@ -135,11 +135,11 @@ class PrecisionLists:
         changes[target] = changes[target] + names
         return self.replace(**changes)
 
-    def move_layers(self, names, to: str) -> "PrecisionLists":
+    def move_layers(self, names: Iterable[str] | str, to: str) -> "PrecisionLists":
         """Return new lists with `names` in the `to` layer list ("allow"/"deny")."""
         return self._move(names, to, "layers", LAYER_FIELDS)
 
-    def move_ops(self, op_types, to: str) -> "PrecisionLists":
+    def move_ops(self, op_types: Iterable[str] | str, to: str) -> "PrecisionLists":
         """Return new lists with `op_types` in the `to` op list.
 
         `to` is "allow", "infer", "clear" or "deny"; the op types leave every
@@ -147,21 +147,21 @@ class PrecisionLists:
         """
         return self._move(op_types, to, "ops", OP_FIELDS)
 
-    def layer_list_of(self, name: str):
+    def layer_list_of(self, name: str) -> str | None:
         """Return "allow", "deny" or None: the layer list holding `name`."""
         for field in LAYER_FIELDS:
             if name in getattr(self, field):
                 return field.split("_")[0]
         return None
 
-    def op_list_of(self, op_type: str):
+    def op_list_of(self, op_type: str) -> str | None:
         """Return "allow", "infer", "clear", "deny" or None for `op_type`."""
         for field in OP_FIELDS:
             if op_type in getattr(self, field):
                 return field.split("_")[0]
         return None
 
-    def matching_layers(self, model) -> dict:
+    def matching_layers(self, model) -> dict[str, list]:
         """Resolve every layer entry to the model's layers it matches.
 
         Raises ValueError, naming close layer names, for an entry that matches
@@ -176,7 +176,7 @@ class PrecisionLists:
             result.update(layer_matching.matching_layers(model, entries, field))
         return result
 
-    def diff(self, other: "PrecisionLists") -> list:
+    def diff(self, other: "PrecisionLists") -> list[dict]:
         """List the moves that turn `self` into `other`.
 
         Returns:

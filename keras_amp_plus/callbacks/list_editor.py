@@ -27,6 +27,7 @@ class ListEditor:
         self.engine = engine
         self.index = index
         self.origins = {}
+        self.needs = {}
 
     def denied_layers(self, model, lists) -> set:
         """Return the paths of the layers running in float32 under `lists`."""
@@ -52,13 +53,14 @@ class ListEditor:
             return lists.move_layers([path], "deny"), [
                 _change("layer", path, self.origins[path][path], "deny", path)
             ]
-        layer = self.index.by_path[path]
+        op_types = self.engine.op_types_for_layer(self.index.by_path[path])
         origin = {
             op: lists.op_list_of(op)
-            for op in self.engine.op_types_for_layer(layer)
+            for op in op_types
             if lists.op_list_of(op) != "deny"
         }
         self.origins[path] = origin
+        self.needs[path] = list(op_types)
         if not origin:
             return lists, []
         changes = [
@@ -68,11 +70,14 @@ class ListEditor:
 
     def _restore(self, lists, path):
         origin = self.origins.pop(path, {})
-        still_needed = {op for other in self.origins.values() for op in other}
+        self.needs.pop(path, None)
         kind = "layer" if self.engine.level == "layer" else "op"
         changes = []
         for name, before in origin.items():
-            if name in still_needed:
+            keeper = next((o for o, ops in self.needs.items() if name in ops), None)
+            if keeper is not None:
+                # Another denied layer still needs it: that layer undoes it later.
+                self.origins[keeper][name] = before
                 continue
             lists = _move_to(lists, kind, name, before)
             changes.append(_change(kind, name, "deny", before, path))
@@ -80,11 +85,12 @@ class ListEditor:
 
     def get_state(self) -> dict:
         """Return what is needed to undo the moves, as JSON data."""
-        return {"origins": self.origins}
+        return {"origins": self.origins, "needs": self.needs}
 
     def set_state(self, state: dict) -> None:
         """Restore `get_state()` output."""
         self.origins = {k: dict(v) for k, v in state.get("origins", {}).items()}
+        self.needs = {k: list(v) for k, v in state.get("needs", {}).items()}
 
 
 def _move_to(lists, kind, name, target):

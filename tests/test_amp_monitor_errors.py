@@ -1,0 +1,102 @@
+"""Bad input fails early (at construction or on_train_begin) with clear errors."""
+
+import keras
+import numpy as np
+import pytest
+from test_amp_monitor import overflow_model, read_jsonl, regression_data
+
+from keras_amp_plus.callbacks import AMPMonitor
+from keras_amp_plus.optimizers import LossScaleOptimizer
+from keras_amp_plus.policy import PrecisionLists
+
+
+def fit_one_epoch(model, monitor):
+    x, y = regression_data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+
+
+def test_unwritable_log_dir_fails_before_the_first_step(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    model = overflow_model("mixed_float16")
+    kernel = model.get_layer("d1").kernel.numpy()
+    monitor = AMPMonitor(str(blocker / "logs"))
+    with pytest.raises(ValueError, match="cannot write to its `log_dir`") as info:
+        fit_one_epoch(model, monitor)
+    assert "Received: log_dir=" in str(info.value)
+    np.testing.assert_array_equal(model.get_layer("d1").kernel.numpy(), kernel)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_model_without_optimizer(tmp_path):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    monitor = AMPMonitor(str(tmp_path))
+    monitor.set_model(model)
+    with pytest.raises(ValueError, match="compiled with an optimizer"):
+        monitor.on_train_begin()
+
+
+@pytest.mark.parametrize(
+    ("engine", "error", "match"),
+    [
+        ("tpu", ValueError, "`engine` must be one of"),
+        ("itex", ImportError, "Intel Extension for TensorFlow"),
+    ],
+)
+def test_unknown_or_unavailable_engine(tmp_path, engine, error, match):
+    model = overflow_model("mixed_float16")
+    with pytest.raises(error, match=match):
+        fit_one_epoch(model, AMPMonitor(str(tmp_path), engine=engine))
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_lists_naming_missing_layers(tmp_path):
+    model = overflow_model("mixed_float16")
+    monitor = AMPMonitor(str(tmp_path), lists=PrecisionLists(deny_layers=("hott",)))
+    with pytest.raises(ValueError, match="Did you mean hot"):
+        fit_one_epoch(model, monitor)
+
+
+def test_op_lists_with_the_layer_engine(tmp_path):
+    model = overflow_model("mixed_float16")
+    monitor = AMPMonitor(
+        str(tmp_path), engine="keras", lists=PrecisionLists(deny_ops=("Softmax",))
+    )
+    with pytest.raises(ValueError, match="works on layers"):
+        fit_one_epoch(model, monitor)
+
+
+def test_read_interval_beyond_the_ring_capacity(tmp_path):
+    model = overflow_model("mixed_float16", event_buffer_size=8)
+    assert isinstance(model.optimizer, LossScaleOptimizer)
+    with pytest.raises(ValueError, match="must not exceed the event ring"):
+        fit_one_epoch(model, AMPMonitor(str(tmp_path), read_every_steps=9))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"deny_threshold": 0}, ValueError),
+        ({"patience": -1}, ValueError),
+        ({"cooldown": 1.5}, ValueError),
+        ({"read_every_steps": 0}, ValueError),
+        ({"log_dir": 3}, TypeError),
+        ({"lists": ["hot"]}, TypeError),
+    ],
+)
+def test_bad_arguments(kwargs, error):
+    with pytest.raises(error, match="Received"):
+        AMPMonitor(**kwargs)
+
+
+def test_given_lists_apply_from_the_first_step(tmp_path):
+    model = overflow_model("mixed_float16")
+    monitor = AMPMonitor(str(tmp_path), lists={"deny_layers": ["hot"]})
+    x, y = regression_data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+    assert model.get_layer("hot").compute_dtype == "float32"
+    # No forward overflow: `hot` ran in float32 from the first step. (The
+    # scaler may still calibrate down from 2**15 with a backward overflow.)
+    events = read_jsonl(str(tmp_path))
+    assert [e for e in events if e.get("direction") == "forward"] == []
+    assert monitor.lists == PrecisionLists(deny_layers=("hot",))

@@ -1,0 +1,190 @@
+"""The monitor's parts on their own: rule, attribution, lists, state, log."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_amp_plus.callbacks import attribution, event_log, state
+from keras_amp_plus.callbacks.adaptation import AdaptationRule, Decision
+from keras_amp_plus.callbacks.list_editor import ListEditor
+from keras_amp_plus.engines import GrapplerEngine, KerasEngine
+from keras_amp_plus.policy import PrecisionLists
+
+
+def moves(decisions):
+    return [(d.layer, d.to) for d in decisions]
+
+
+def test_rule_denies_at_threshold_and_waits_with_doubling_patience():
+    rule = AdaptationRule(deny_threshold=2, patience=2, cooldown=0, max_retries=1)
+    assert moves(rule.decide(0, {"a": 1}, set())) == []  # below threshold
+    assert moves(rule.decide(1, {"a": 2, "b": 5}, set())) == [
+        ("a", "deny"),
+        ("b", "deny"),
+    ]
+    denied = {"a", "b"}
+    assert moves(rule.decide(2, {}, denied)) == []  # 1 clean epoch of 2
+    # Epoch 3: both have 2 clean epochs; only one may return per epoch.
+    assert moves(rule.decide(3, {}, denied)) == [("a", "allow")]
+    assert moves(rule.decide(4, {}, denied - {"a"})) == [("b", "allow")]
+    # `a` overflows again: denied again, now waits 2 * 2 epochs ...
+    assert moves(rule.decide(5, {"a": 3}, set())) == [("a", "deny")]
+    assert rule.wait_epochs("a") == 4
+    for epoch in range(6, 12):
+        # ... and after max_retries=1 return it stays in float32 for good.
+        assert moves(rule.decide(epoch, {}, {"a"})) == []
+
+
+def test_rule_cooldown_spaces_returns_and_state_round_trips():
+    rule = AdaptationRule(deny_threshold=1, patience=1, cooldown=2)
+    rule.decide(0, {"a": 1, "b": 1}, set())
+    assert moves(rule.decide(1, {}, {"a", "b"})) == [("a", "allow")]
+    copy = AdaptationRule(deny_threshold=1, patience=1, cooldown=2)
+    copy.set_state(json.loads(json.dumps(rule.get_state())))
+    for r in (rule, copy):
+        assert moves(r.decide(2, {}, {"b"})) == []
+        assert moves(r.decide(3, {}, {"b"})) == []
+        assert moves(r.decide(4, {}, {"b"})) == [("b", "allow")]
+
+
+def test_rule_never_returns_layers_the_user_denied():
+    rule = AdaptationRule(deny_threshold=1, patience=1, cooldown=0)
+    for epoch in range(5):
+        assert rule.decide(epoch, {}, {"user_denied"}) == []
+
+
+def sequential_model():
+    return keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(4, name="first"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dense(4, name="middle"),
+            keras.layers.Dense(1, name="last"),
+        ]
+    )
+
+
+def test_backward_origin_is_the_implicated_layer_closest_to_the_loss():
+    model = sequential_model()
+    index = attribution.LayerIndex(model)
+    path = {layer.name: layer.path for layer in model.layers}
+    variables = {v.path.split("/", 1)[1]: v.path for v in model.trainable_variables}
+    implicated = index.layers_of_variables(
+        [variables[name] for name in ("middle/kernel", "first/bias", "bn/gamma")]
+    )
+    assert implicated == [path["first"], path["bn"], path["middle"]]  # forward
+    assert index.backward_origin(implicated) == path["middle"]
+    assert index.backward_origin([]) is None
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
+def test_forward_replay_names_the_overflowing_layer(policy):
+    keras.config.set_dtype_policy(policy)
+    model = sequential_model()
+    model.get_layer("middle").kernel.assign(np.full((4, 4), 1e38, "float32"))
+    model.get_layer("first").kernel.assign(np.ones((3, 4), "float32"))
+    x = np.array([[10.0, 0.0, 1.0], [-10.0, 5.0, 1.0]], "float32")
+    moving_mean = model.get_layer("bn").moving_mean.numpy()
+    index = attribution.LayerIndex(model)
+    found = attribution.find_forward_overflow(model, (x, None), index.layers)
+    assert found == {"layer": model.get_layer("middle").path, "reason": "output"}
+    # The replay leaves no trace: calls restored, batch statistics untouched.
+    assert all("call" not in layer.__dict__ for layer in model.layers)
+    np.testing.assert_array_equal(model.get_layer("bn").moving_mean, moving_mean)
+    bad = np.array([[np.nan, 0.0, 0.0]], "float32")
+    assert attribution.find_forward_overflow(model, (bad,), index.layers) == {
+        "layer": None,
+        "reason": "bad_data",
+    }
+
+
+def test_forward_replay_input_cast_overflow():
+    # `wide` runs in float32 and outputs 1e5; `narrow` casts it to float16.
+    keras.config.set_dtype_policy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((2,)),
+            keras.layers.Dense(2, name="wide", dtype="float32"),
+            keras.layers.Dense(1, name="narrow"),
+        ]
+    )
+    model.get_layer("wide").kernel.assign(np.full((2, 2), 1e5, "float32"))
+    index = attribution.LayerIndex(model)
+    found = attribution.find_forward_overflow(
+        model, (np.ones((1, 2), "float32"),), index.layers
+    )
+    assert found == {"layer": model.get_layer("narrow").path, "reason": "input_cast"}
+
+
+def test_list_editor_layer_level_is_reversible():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = sequential_model()
+    last = model.get_layer("last").path
+    editor = ListEditor(KerasEngine(), attribution.LayerIndex(model))
+    lists = PrecisionLists(allow_layers=(last,))
+    denied, changes = editor.apply(lists, Decision(last, "deny", "r", {}))
+    assert denied.deny_layers == (last,) and denied.allow_layers == ()
+    assert changes == [
+        {"kind": "layer", "name": last, "from": "allow", "to": "deny", "layer": last}
+    ]
+    assert editor.denied_layers(model, denied) == {last}
+    back, _ = editor.apply(denied, Decision(last, "allow", "r", {}))
+    assert back == lists
+
+
+def test_list_editor_op_level_maps_layers_to_op_types():
+    model = sequential_model()
+    editor = ListEditor(
+        GrapplerEngine(dump_graphs=False), attribution.LayerIndex(model)
+    )
+    path = {layer.name: layer.path for layer in model.layers}
+    lists = PrecisionLists(infer_ops=("BiasAdd",))
+    first, changes = editor.apply(lists, Decision(path["first"], "deny", "r", {}))
+    assert {"MatMul", "BiasAdd"} <= set(first.deny_ops)
+    assert ("BiasAdd", "infer") in {(c["name"], c["from"]) for c in changes}
+    both, _ = editor.apply(first, Decision(path["middle"], "deny", "r", {}))
+    # `first` returns, but `middle` still needs MatMul and BiasAdd denied.
+    partly, restored = editor.apply(both, Decision(path["first"], "allow", "r", {}))
+    assert restored == [] and partly == both
+    final, _ = editor.apply(partly, Decision(path["middle"], "allow", "r", {}))
+    assert final == lists
+
+
+def test_state_snapshots_keep_recent_epochs(tmp_path):
+    for epoch in range(5):
+        state.save_snapshot(str(tmp_path), state.MonitorState(epoch=epoch))
+    snapshots = state.load_snapshots(str(tmp_path))
+    assert sorted(snapshots) == [2, 3, 4]
+    # Rewriting an epoch (a resumed run) drops the later, abandoned ones.
+    state.save_snapshot(str(tmp_path), state.MonitorState(epoch=3, total_steps=7))
+    snapshots = state.load_snapshots(str(tmp_path))
+    assert sorted(snapshots) == [2, 3] and snapshots[3].total_steps == 7
+    (tmp_path / state.STATE_FILE).write_text(json.dumps({"format": 99}))
+    with pytest.raises(ValueError, match="another version"):
+        state.load_snapshots(str(tmp_path))
+
+
+def test_event_log_keeps_lines_on_resume_and_writes_tensorboard(tmp_path):
+    log = event_log.EventLog(str(tmp_path))
+    log.open(keep_lines=None)
+    for i in range(3):
+        log.write_record({"i": i})
+    log.scalars({"amp/loss_scale": 4.0, "amp/none": None}, step=1)
+    log.close()
+    log = event_log.EventLog(str(tmp_path))
+    log.open(keep_lines=2)
+    log.write_record({"i": 9})
+    log.close()
+    lines = (tmp_path / event_log.EVENTS_FILE).read_text().splitlines()
+    assert [json.loads(line)["i"] for line in lines] == [0, 1, 9]
+    files = list((tmp_path / "amp").iterdir())
+    records = []
+    for file in files:
+        for event in tf.compat.v1.train.summary_iterator(str(file)):
+            for value in event.summary.value:
+                records.append((event.step, value.tag, tf.make_ndarray(value.tensor)))
+    assert records == [(1, "amp/loss_scale", np.float32(4.0))]

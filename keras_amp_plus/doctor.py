@@ -7,6 +7,7 @@ them as text or JSON. Each part is a small function so it can be tested alone.
 """
 
 import importlib.metadata
+import json
 import os
 import platform
 import sys
@@ -14,7 +15,13 @@ import sys
 import keras
 import tensorflow as tf
 
-from keras_amp_plus import _compat, cpu_features, matmul_probe, recommendation
+from keras_amp_plus import (
+    _compat,
+    cpu_features,
+    doctor_text,
+    matmul_probe,
+    recommendation,
+)
 
 ITEX_DISTRIBUTIONS = (
     "intel-extension-for-tensorflow",
@@ -148,10 +155,6 @@ def main(json_output: bool = False, probe_seconds: float = 2.0) -> int:
     Returns:
         0, or 1 when the stack cannot run keras_amp_plus (message on stderr).
     """
-    import json
-
-    from keras_amp_plus import doctor_text
-
     if probe_seconds <= 0:
         raise ValueError(
             f"`probe_seconds` must be positive. Received: probe_seconds={probe_seconds}"

@@ -104,6 +104,11 @@ def test_doctor_refuses_a_non_tensorflow_backend(monkeypatch, capsys):
     assert "KERAS_BACKEND=tensorflow" in captured.err
 
 
+def test_doctor_main_rejects_a_non_positive_probe():
+    with pytest.raises(ValueError, match="Received: probe_seconds=0"):
+        doctor.main(probe_seconds=0)
+
+
 def test_broken_tensorflow_install_exits_non_zero(tmp_path):
     # A `tensorflow` package that fails to import shadows the real one.
     fake = tmp_path / "tensorflow"

@@ -81,7 +81,7 @@ def _hardware_warnings(bfloat16, features, onednn) -> list:
     warnings = []
     if onednn is False:
         warnings.append(
-            "oneDNN is off (TF_ENABLE_ONEDNN_OPTS=0?): TensorFlow's fast bfloat16 "
+            "oneDNN is off: TensorFlow's fast bfloat16 and float16 "
             "CPU kernels need it; unset TF_ENABLE_ONEDNN_OPTS or set it to 1"
         )
     slow = bfloat16 is not None and bfloat16 < SLOWER_THRESHOLD

@@ -110,3 +110,22 @@ def test_weight_and_output_dtypes(name, policy):
         not np.array_equal(b, np.array(w))
         for b, w in zip(before, layer.weights, strict=True)
     )
+
+
+@pytest.mark.parametrize("jit_compile", (False, True))
+def test_trains_in_a_model_with_partial_batches(jit_compile):
+    # Regression: shapes built with a scatter could not be evaluated at compile
+    # time once the layers' XLA kernels were inlined into a jit-compiled model.
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = keras.Sequential(
+        [
+            keras.Input(INPUT_SHAPE),
+            keras.layers.Dense(INPUT_SHAPE[-1]),
+            *[_make(name) for name in EXPORTED_LAYERS],
+        ]
+    )
+    model.compile(optimizer="adam", loss="mse", jit_compile=jit_compile)
+    x = np.concatenate([_sample(0), _sample(1), _sample(2)])  # 6 samples
+    history = model.fit(x, x * 0.1, batch_size=4, epochs=2, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert history.history["loss"][1] < history.history["loss"][0]

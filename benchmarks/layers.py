@@ -1,0 +1,262 @@
+"""Benchmark keras_amp_plus.layers against their Keras counterparts.
+
+Under the `mixed_bfloat16` policy, for each layer pair:
+
+- time: one forward + backward step (gradients w.r.t. the input and every
+  weight, upstream gradient given), each wrapped in its own `tf.function` and
+  warmed up first; process CPU time (`time.process_time()`, all threads) of
+  each call, ours and Keras's interleaved call by call, median of `--reps`;
+- error: max absolute error of the output and of the input gradient against a
+  float64 NumPy reference, on the same (bfloat16) input and weights, for
+  N(0, 1) inputs and for N(1000, 1) inputs ("far");
+- peak memory: TensorFlow's CPU allocator peak during one step
+  (`tf.config.experimental.get_memory_info("CPU:0")["peak"]` after
+  `reset_memory_stats`) minus what was allocated before the step (the inputs
+  and weights). It counts every tensor TensorFlow allocates, including the
+  ones kept for the backward pass; oneDNN scratch memory outside the TF
+  allocator is not seen.
+
+Usage: python benchmarks/layers.py [--quick] [--reps N] [--output PATH]
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_amp_plus import layers
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+TARGETS = {  # max time ratio, and whether peak memory must not exceed Keras's
+    "LayerNormalization": (0.8, False),
+    "InstanceNormalization": (0.8, False),
+    "Swish": (1.0, True),
+}
+
+
+def normalization_reference(x, upstream, gamma, beta, stat_axes, epsilon=1e-3):
+    """Float64 output and input gradient of a normalization layer."""
+    mean = x.mean(axis=stat_axes, keepdims=True)
+    inverse_stddev = 1.0 / np.sqrt(x.var(axis=stat_axes, keepdims=True) + epsilon)
+    normalized = (x - mean) * inverse_stddev
+    scaled = upstream * gamma
+    x_grad = inverse_stddev * (
+        scaled
+        - scaled.mean(axis=stat_axes, keepdims=True)
+        - normalized * (scaled * normalized).mean(axis=stat_axes, keepdims=True)
+    )
+    return normalized * gamma + beta, x_grad
+
+
+def swish_reference(x, upstream, *_):
+    """Float64 output and input gradient of swish (beta = 1)."""
+    sigmoid = 1.0 / (1.0 + np.exp(-x))
+    return x * sigmoid, upstream * sigmoid * (1.0 + x * (1.0 - sigmoid))
+
+
+def cases(quick):
+    """Yield (name, ours, keras_layer, shape, reference, stat_axes, keras_name)."""
+    ln_shape = (256, 128) if quick else (8192, 1024)
+    in_shape = (4, 16, 16, 32) if quick else (32, 64, 64, 128)
+    swish_shape = (256, 256) if quick else (8192, 4096)
+    yield (
+        "LayerNormalization",
+        layers.LayerNormalization(),
+        keras.layers.LayerNormalization(),
+        ln_shape,
+        normalization_reference,
+        (1,),
+        "LayerNormalization",
+    )
+    yield (
+        "InstanceNormalization",
+        layers.InstanceNormalization(),
+        keras.layers.GroupNormalization(groups=-1),
+        in_shape,
+        normalization_reference,
+        (1, 2),
+        "GroupNormalization(groups=-1)",
+    )
+    yield (
+        "Swish",
+        layers.Swish(),
+        keras.layers.Activation("swish"),
+        swish_shape,
+        swish_reference,
+        None,
+        'Activation("swish")',
+    )
+
+
+def make_step(layer):
+    """Return a tf.function running forward + backward through `layer`."""
+
+    @tf.function
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = layer(x)
+        sources = [x, *layer.trainable_weights]
+        return outputs, tape.gradient(outputs, sources, output_gradients=upstream)
+
+    return step
+
+
+def random_inputs(shape, mean, seed):
+    rng = np.random.default_rng(seed)
+    x = tf.cast(tf.constant(rng.normal(mean, 1.0, shape), tf.float32), tf.bfloat16)
+    upstream = tf.cast(
+        tf.constant(rng.normal(0.0, 1.0, shape), tf.float32), tf.bfloat16
+    )
+    return x, upstream
+
+
+def max_errors(step, x, upstream, reference, gamma, beta, stat_axes):
+    """Max |output - ref| and max |input gradient - ref| against float64."""
+    outputs, grads = step(x, upstream)
+    as64 = lambda t: np.asarray(tf.cast(t, tf.float64))  # noqa: E731
+    ref_outputs, ref_grad = reference(as64(x), as64(upstream), gamma, beta, stat_axes)
+    return (
+        float(np.abs(as64(outputs) - ref_outputs).max()),
+        float(np.abs(as64(grads[0]) - ref_grad).max()),
+    )
+
+
+def peak_step_bytes(step, x, upstream):
+    """TF CPU allocator peak during one step, above what was live before it."""
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    result = step(x, upstream)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    del result
+    return peak - before
+
+
+def interleaved_cpu_times(steps, x, upstream, reps):
+    """Process CPU seconds of each step, calls interleaved, `reps` each."""
+    times = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            start = time.process_time()
+            step(x, upstream)
+            times[name].append(time.process_time() - start)
+    return times
+
+
+def copy_random_weights(source, target, param_shape, seed=3):
+    """Give both layers the same random float32 weights; return them as float64."""
+    rng = np.random.default_rng(seed)
+    values = [rng.normal(1.0 - i, 0.3, w.shape) for i, w in enumerate(source.weights)]
+    for weight, value in zip(source.weights, values, strict=True):
+        weight.assign(value)
+    target.set_weights(source.get_weights())
+    if not values:
+        return 1.0, 0.0
+    return [np.reshape(np.asarray(w, np.float64), param_shape) for w in source.weights]
+
+
+def run_case(case, reps):
+    name, ours, theirs, shape, reference, stat_axes, keras_name = case
+    x, upstream = random_inputs(shape, 0.0, seed=0)
+    for layer in (ours, theirs):
+        layer.build(shape)
+    param_shape = [1] * (len(shape) - 1) + [shape[-1]]
+    gamma, beta = copy_random_weights(ours, theirs, param_shape)
+    steps = {"ours": make_step(ours), "keras": make_step(theirs)}
+    for step in steps.values():  # warm up: trace, compile, first allocations
+        for _ in range(2):
+            step(x, upstream)
+    row = {"layer": name, "keras_layer": keras_name, "shape": list(shape)}
+    times = interleaved_cpu_times(steps, x, upstream, reps)
+    far_x, far_upstream = random_inputs(shape, 1000.0, seed=1)
+    for who, step in steps.items():
+        row[f"{who}_ms"] = 1e3 * statistics.median(times[who])
+        row[f"{who}_peak_mb"] = peak_step_bytes(step, x, upstream) / 2**20
+        errors = max_errors(step, x, upstream, reference, gamma, beta, stat_axes)
+        far_errors = max_errors(
+            step, far_x, far_upstream, reference, gamma, beta, stat_axes
+        )
+        row[f"{who}_error"], row[f"{who}_grad_error"] = errors
+        row[f"{who}_far_error"], row[f"{who}_far_grad_error"] = far_errors
+    row["time_ratio"] = row["ours_ms"] / row["keras_ms"]
+    max_ratio, memory_capped = TARGETS[name]
+    row["target_time_ratio"] = max_ratio
+    row["meets_time"] = row["time_ratio"] <= max_ratio
+    row["meets_memory"] = (
+        row["ours_peak_mb"] <= row["keras_peak_mb"] if memory_capped else None
+    )
+    row["meets_error"] = all(
+        row[f"ours_{kind}"] <= row[f"keras_{kind}"] * 1.0001
+        for kind in ("error", "grad_error", "far_error", "far_grad_error")
+    )
+    return row
+
+
+def print_table(rows):
+    header = (
+        f"{'layer (vs Keras)':<56} {'ours ms':>8} {'keras ms':>9} {'ratio':>6} "
+        f"{'target':>6} {'peak MB ours/keras':>19} "
+        f"{'max err ours/keras':>19} {'far err ours/keras':>19}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        label = f"{r['layer']} vs {r['keras_layer']}"
+        print(
+            f"{label:<56} {r['ours_ms']:8.1f} {r['keras_ms']:9.1f} "
+            f"{r['time_ratio']:6.2f} {r['target_time_ratio']:6.2f} "
+            f"{r['ours_peak_mb']:9.1f}/{r['keras_peak_mb']:<9.1f} "
+            f"{r['ours_error']:9.2e}/{r['keras_error']:<9.2e} "
+            f"{r['ours_far_error']:9.2e}/{r['keras_far_error']:<9.2e}"
+        )
+    print(
+        "\nshapes: "
+        + "; ".join(f"{r['layer']} {tuple(r['shape'])}" for r in rows)
+        + "\ntime: median process CPU time of forward+backward, interleaved;"
+        " error: max |output - float64 ref| (far: N(1000, 1) inputs)"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, 2 reps")
+    parser.add_argument("--reps", type=int, default=None, help="default 15")
+    parser.add_argument("--output", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    reps = args.reps or (2 if args.quick else 15)
+    output = args.output or RESULTS / (
+        "layers_quick.json" if args.quick else "layers.json"
+    )
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        rows = [run_case(case, reps) for case in cases(args.quick)]
+    finally:
+        keras.config.set_dtype_policy(policy)
+    print_table(rows)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "policy": "mixed_bfloat16",
+        "reps": reps,
+        "quick": args.quick,
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    output.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -53,7 +53,7 @@ class GrapplerEngine(Engine):
 
     Example:
     >>> import keras
-    >>> from keras_amp_plus.policy import PrecisionLists
+    >>> from keras_amp_plus import PrecisionLists
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     >>> model.compile("sgd", "mse")
     >>> engine = GrapplerEngine()

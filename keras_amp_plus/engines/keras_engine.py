@@ -43,7 +43,7 @@ class KerasEngine(Engine):
 
     Example:
     >>> import keras
-    >>> from keras_amp_plus.policy import PrecisionLists
+    >>> from keras_amp_plus import PrecisionLists
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     >>> KerasEngine().apply(model, PrecisionLists(allow_layers=("Dense",)))
     >>> model.layers[0].compute_dtype

@@ -68,7 +68,8 @@ class KerasEngine(Engine):
         ]
         for policy in candidates:
             if is_mixed(policy):
-                return _compat.dtype_policy(policy.name)
+                # By dtype, not by name: a DTypePolicyMap is named after itself.
+                return _compat.dtype_policy(f"mixed_{policy.compute_dtype}")
         return _compat.dtype_policy(DEFAULT_MIXED_POLICY)
 
     def apply(self, model, lists) -> None:

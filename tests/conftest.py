@@ -5,8 +5,8 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import pytest  # noqa: E402
+import keras
+import pytest
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 

@@ -227,6 +227,138 @@ def print_table(rows):
     )
 
 
+# --- LayerNormalization candidates -------------------------------------------
+# The implementations considered for our LayerNormalization, timed side by side
+# on the same input and weights, to show why the XLA kernel was chosen.
+
+
+class LayerNormCandidate:
+    """A layer-like callable over float32 `gamma`/`beta` variables."""
+
+    def __init__(self, function, gamma, beta):
+        self.function = function
+        self.trainable_weights = [tf.Variable(gamma), tf.Variable(beta)]
+
+    def __call__(self, x):
+        return self.function(x, *self.trainable_weights)
+
+
+def fused_batch_norm_candidate(x, gamma, beta, epsilon=1e-3):
+    """Keras 2's trick: FusedBatchNormV3 over rows (float32 statistics)."""
+    rows, features = x.shape
+    outputs, *_ = tf.raw_ops.FusedBatchNormV3(
+        x=tf.reshape(x, [1, rows, features, 1]),
+        scale=tf.ones([rows]),
+        offset=tf.zeros([rows]),
+        mean=tf.zeros([0]),
+        variance=tf.zeros([0]),
+        epsilon=epsilon,
+        data_format="NCHW",
+        is_training=True,
+    )
+    outputs = tf.cast(tf.reshape(outputs, [rows, features]), tf.float32)
+    return tf.cast(outputs * gamma + beta, x.dtype)
+
+
+def plain_float32(x, gamma, beta, epsilon=1e-3):
+    """Float32 statistics with stock TF ops, TF autodiff."""
+    x_wide = tf.cast(x, tf.float32)
+    mean = tf.reduce_mean(x_wide, axis=-1, keepdims=True)
+    centered = x_wide - mean
+    variance = tf.reduce_mean(tf.square(centered), axis=-1, keepdims=True)
+    return tf.cast(centered * tf.math.rsqrt(variance + epsilon) * gamma + beta, x.dtype)
+
+
+@tf.custom_gradient
+def custom_gradient_candidate(x, gamma, beta, epsilon=1e-3):
+    """Stock TF ops, a gradient that keeps only x, mean and 1/stddev."""
+    x_wide = tf.cast(x, tf.float32)
+    mean = tf.reduce_mean(x_wide, axis=-1, keepdims=True)
+    centered = x_wide - mean
+    variance = tf.reduce_mean(tf.square(centered), axis=-1, keepdims=True)
+    inverse_stddev = tf.math.rsqrt(variance + epsilon)
+    outputs = tf.cast(centered * inverse_stddev * gamma + beta, x.dtype)
+
+    def grad(upstream):
+        upstream = tf.cast(upstream, tf.float32)
+        normalized = (tf.cast(x, tf.float32) - mean) * inverse_stddev
+        scaled = upstream * gamma
+        x_grad = inverse_stddev * (
+            scaled
+            - tf.reduce_mean(scaled, axis=-1, keepdims=True)
+            - normalized * tf.reduce_mean(scaled * normalized, -1, keepdims=True)
+        )
+        return (
+            tf.cast(x_grad, x.dtype),
+            tf.reduce_sum(upstream * normalized, axis=0),
+            tf.reduce_sum(upstream, axis=0),
+        )
+
+    return outputs, grad
+
+
+def layer_norm_candidates(quick, reps):
+    """Time every candidate against Keras's layer; return one row each."""
+    shape = (256, 128) if quick else (8192, 1024)
+    rng = np.random.default_rng(3)
+    gamma = rng.normal(1.0, 0.3, shape[-1]).astype("float32")
+    beta = rng.normal(0.0, 0.3, shape[-1]).astype("float32")
+    ours = layers.LayerNormalization()
+    ours.build(shape)
+    ours.set_weights([gamma, beta])
+    theirs = keras.layers.LayerNormalization()
+    theirs.build(shape)
+    theirs.set_weights([gamma, beta])
+    candidates = {
+        "keras.layers.LayerNormalization": theirs,
+        "FusedBatchNormV3 + float32 affine": fused_batch_norm_candidate,
+        "float32 TF ops, autodiff": plain_float32,
+        "float32 TF ops, custom gradient": custom_gradient_candidate,
+        "float32, XLA autodiff": tf.function(plain_float32, jit_compile=True),
+        "ours (XLA kernels, custom gradient)": ours,
+    }
+    steps = {
+        name: make_step(
+            c
+            if isinstance(c, keras.layers.Layer)
+            else LayerNormCandidate(c, gamma, beta)
+        )
+        for name, c in candidates.items()
+    }
+    x, upstream = random_inputs(shape, 0.0, seed=0)
+    far_x, far_upstream = random_inputs(shape, 1000.0, seed=1)
+    for step in steps.values():
+        for _ in range(2):
+            step(x, upstream)
+    times = interleaved_cpu_times(steps, x, upstream, reps)
+    keras_ms = 1e3 * statistics.median(times["keras.layers.LayerNormalization"])
+    rows = []
+    param = (gamma.astype(np.float64), beta.astype(np.float64))
+    for name, step in steps.items():
+        ms = 1e3 * statistics.median(times[name])
+        error, _ = max_errors(step, x, upstream, normalization_reference, *param, (1,))
+        far, _ = max_errors(
+            step, far_x, far_upstream, normalization_reference, *param, (1,)
+        )
+        rows.append(
+            {
+                "candidate": name,
+                "ms": ms,
+                "ratio": ms / keras_ms,
+                "error": error,
+                "far_error": far,
+            }
+        )
+    print(f"\nLayerNormalization candidates, {shape} bfloat16, forward+backward:")
+    print(f"{'candidate':<38} {'ms':>7} {'ratio':>6} {'max err':>9} {'far err':>9}")
+    for r in rows:
+        print(
+            f"{r['candidate']:<38} {r['ms']:7.1f} {r['ratio']:6.2f} "
+            f"{r['error']:9.2e} {r['far_error']:9.2e}"
+        )
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, 2 reps")
@@ -241,9 +373,10 @@ def main():
     keras.config.set_dtype_policy("mixed_bfloat16")
     try:
         rows = [run_case(case, reps) for case in cases(args.quick)]
+        print_table(rows)
+        candidates = layer_norm_candidates(args.quick, reps)
     finally:
         keras.config.set_dtype_policy(policy)
-    print_table(rows)
     output.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "policy": "mixed_bfloat16",
@@ -254,7 +387,12 @@ def main():
         "machine": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
     }
-    output.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    output.write_text(
+        json.dumps(
+            {"meta": meta, "rows": rows, "layer_norm_candidates": candidates}, indent=2
+        )
+        + "\n"
+    )
     print(f"wrote {output}")
 
 

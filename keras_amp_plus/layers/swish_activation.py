@@ -85,9 +85,12 @@ _compat.register_activation_name("keras_amp_plus>swish", swish)
 class Swish(keras.layers.Layer):
     """Swish activation layer, `x * sigmoid(beta * x)`, optionally Swish-beta.
 
-    Computes in the layer's compute dtype (inputs are cast to it, outputs have
-    it) with a gradient that recomputes the sigmoid instead of storing it, so a
-    training step keeps no more than `Activation("swish")` does. With
+    Computes in the layer's compute dtype: inputs are cast to it, outputs and
+    input gradients have it, and no float32 tensor is ever written to memory.
+    Inside each fused XLA kernel the arithmetic runs in float32 registers (XLA
+    widens bfloat16 there anyway), so each result is rounded once. The
+    gradient recomputes the sigmoid instead of storing it, so a training step
+    keeps no more than `Activation("swish")` does. With
     `trainable_beta=True`, `beta` is one trainable float32 weight (Swish-beta)
     initialized to `beta`.
 

@@ -210,3 +210,18 @@ def register_activation_name(name: str, function) -> None:
     from keras.src import activations as keras_activations
 
     keras_activations.ALL_OBJECTS_DICT.setdefault(name, function)
+
+
+def in_xla_compiled_function() -> bool:
+    """Return True while tracing a `tf.function(jit_compile=True)`.
+
+    Keras's train step is such a function under `compile(jit_compile=True)`.
+    Why private: XLA cannot compile `tf.py_function` or `Assert`, so the loss
+    scaler's `on_min_scale` action must move to the host there. TF marks such a
+    trace with an XLA control-flow context and has no public test for it
+    (MirroredStrategy uses this same check).
+    """
+    from tensorflow.python.ops import control_flow_util
+
+    graph = tf.compat.v1.get_default_graph()
+    return control_flow_util.GraphOrParentsInXlaContext(graph)

@@ -231,3 +231,38 @@ def test_on_min_scale_ignore_is_silent():
         model.fit(x, y, batch_size=2, epochs=2, verbose=0)
     assert int(optimizer.overflow_count.numpy()) == 4
     assert scale_of(optimizer) == 2.0
+
+
+def test_under_xla_the_floor_action_runs_at_the_next_host_read():
+    # XLA cannot compile py_function/Assert: a jit_compile=True step used to
+    # fail to compile with the default on_min_scale="warn".
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        initial_scale=4.0,
+        min_scale=2.0,
+        on_min_scale="raise",
+    )
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer, "mse", jit_compile=True)
+    x = np.array([[INF, 1.0]] * 4, "float32")
+    with pytest.warns(UserWarning, match="cannot act inside an XLA-compiled"):
+        model.fit(x, np.ones((4, 1), "float32"), batch_size=2, verbose=0)
+    assert int(optimizer.min_scale_overflow_count.numpy()) == 1
+    with pytest.raises(RuntimeError, match="at step 2 while the loss scale"):
+        optimizer.overflow_summary()
+    optimizer.check_min_scale()  # already reported: silent until the next hit
+
+
+def test_floor_overflows_are_counted_in_every_mode():
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        initial_scale=4.0,
+        min_scale=2.0,
+        on_min_scale="ignore",
+    )
+    variable = keras.Variable([1.0])
+    step = make_stepper(optimizer, variable, compiled=True)
+    for value in [INF, 1.0, INF, INF]:
+        step(value)
+    assert int(optimizer.min_scale_overflow_count.numpy()) == 2
+    assert int(optimizer.last_min_scale_overflow_step.numpy()) == 4

@@ -18,6 +18,8 @@ _COUNTERS = (
     "last_step_skipped",
     "total_steps",
     "overflows_since_scale_change",
+    "min_scale_overflow_count",
+    "last_min_scale_overflow_step",
 )
 
 

@@ -9,6 +9,8 @@ import warnings
 
 import tensorflow as tf
 
+from keras_amp_plus import _compat
+
 _FLOOR_ADVICE = (
     "The loss scale cannot back off any further, so steps like this one will "
     "keep being skipped. Try: a lower learning rate or gradient clipping on the "
@@ -67,16 +69,25 @@ def after_skipped_step(optimizer, scale_before):
 
 
 def act_at_floor(optimizer, step, scale_before) -> None:
-    """Apply `on_min_scale` when an overflow hits a scale already at its floor.
+    """Record an overflow that hit a scale already at its floor; apply `on_min_scale`.
 
     "raise" fails the step with `tf.errors.InvalidArgumentError` carrying the
     message; "warn" calls back to Python only on that rare event, once per
-    optimizer; "ignore" adds nothing to the graph.
+    optimizer; "ignore" only records. XLA cannot compile either callback, so
+    inside a `jit_compile=True` step the action waits for the host: the next
+    `overflow_summary()`, `read_events()` or `check_min_scale()` call.
     """
+    at_floor = scale_before <= optimizer.min_scale
+    hits = tf.cast(at_floor, tf.int64)
+    optimizer.min_scale_overflow_count.assign_add(hits)
+    last = optimizer.last_min_scale_overflow_step
+    optimizer.last_min_scale_overflow_step.assign(tf.where(at_floor, step, last))
     mode = optimizer.on_min_scale
     if mode == "ignore":
         return
-    at_floor = scale_before <= optimizer.min_scale
+    if _compat.in_xla_compiled_function():
+        _defer_to_host(optimizer)
+        return
     if mode == "raise":
         message = tf.strings.format(
             _RAISE_TEMPLATE, (step, scale_before, optimizer.min_scale)
@@ -89,6 +100,38 @@ def act_at_floor(optimizer, step, scale_before) -> None:
         lambda: tf.py_function(warn, [step, scale_before], Tout=tf.bool),
         lambda: tf.constant(False),
     )
+
+
+def _defer_to_host(optimizer):
+    if not optimizer._min_scale_action_on_host:
+        optimizer._min_scale_action_on_host = True
+        warnings.warn(
+            f"LossScaleOptimizer: on_min_scale={optimizer.on_min_scale!r} cannot "
+            "act inside an XLA-compiled train step (jit_compile=True). Overflows "
+            "at the floor are counted in `min_scale_overflow_count` and acted on "
+            "at the next `overflow_summary()`, `read_events()` or "
+            "`check_min_scale()` call (AMPMonitor reads them every epoch).",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def check_min_scale_on_host(optimizer) -> None:
+    """Apply `on_min_scale` for floor overflows counted by an XLA-compiled step."""
+    if not optimizer._min_scale_action_on_host:
+        return
+    count = int(optimizer.min_scale_overflow_count.numpy())
+    if count <= optimizer._min_scale_overflows_seen:
+        return
+    optimizer._min_scale_overflows_seen = count
+    step = int(optimizer.last_min_scale_overflow_step.numpy())
+    scale = float(optimizer.dynamic_scale.numpy())
+    if optimizer.on_min_scale == "raise":
+        raise RuntimeError(
+            _RAISE_TEMPLATE.format(step, scale, optimizer.min_scale)
+            + f" ({count} overflow(s) at the floor so far.)"
+        )
+    _warn_once(optimizer, step, scale)
 
 
 def _warn_once(optimizer, step, scale_before):

@@ -2,7 +2,12 @@
 
 import keras
 
-from keras_amp_plus.optimizers import _apply_step, _arguments, _overflow_records
+from keras_amp_plus.optimizers import (
+    _apply_step,
+    _arguments,
+    _overflow_records,
+    _scale_schedule,
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_amp_plus")
@@ -115,6 +120,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.on_min_scale = on_min_scale
         self.event_buffer_size = int(event_buffer_size)
         self._warned_at_min_scale = False
+        # Set when an XLA-compiled step traced the floor check (see
+        # `check_min_scale`): the action then runs on the host.
+        self._min_scale_action_on_host = False
+        self._min_scale_overflows_seen = 0
 
     @classmethod
     def guard(
@@ -168,7 +177,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def overflow_summary(self) -> dict:
         """Return counts, current scale and per-variable overflow counts."""
+        self.check_min_scale()
         return _overflow_records.overflow_summary(self)
+
+    def check_min_scale(self) -> None:
+        """Apply `on_min_scale` on the host for an XLA-compiled train step.
+
+        Without XLA the action runs inside the step and this does nothing.
+        Under `jit_compile=True` it raises `RuntimeError` ("raise") or warns
+        once ("warn") if overflows hit the floor since the last check.
+        """
+        _scale_schedule.check_min_scale_on_host(self)
 
     def tracked_variable_paths(self) -> list:
         """Return variable paths in the order of the per-variable records."""
@@ -181,6 +200,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         `scale_after`, `has_nan` and `variables` (paths). Warns when events
         were overwritten before being read.
         """
+        self.check_min_scale()
         return _overflow_records.read_events(self, since_count)
 
     def get_config(self):

@@ -39,8 +39,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Records, all optimizer variables (saved with checkpoints and `.keras`
     files): `overflow_count`, `nan_steps`, `inf_steps` (Inf but no NaN),
-    `last_step_skipped`, `total_steps` (every `apply()`), per-variable
-    `variable_overflow_counts`, and a ring buffer of the last
+    `last_step_skipped`, `total_steps` (every `apply()`),
+    `min_scale_overflow_count` and `last_min_scale_overflow_step` (overflows
+    with the scale at its floor), per-variable `variable_overflow_counts`, the
+    hysteresis state `overflows_since_scale_change`, and a ring buffer of the last
     `event_buffer_size` events (`event_steps`, `event_scales_before`,
     `event_scales_after`, `event_has_nan`, `event_variable_masks`). Read them
     with `overflow_summary()` and `read_events()`.
@@ -63,6 +65,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         on_min_scale: what an overflow at the floor does: `"raise"` stops
             training with `tf.errors.InvalidArgumentError` naming the scale, the
             step and what to try; `"warn"` warns once and goes on; `"ignore"`.
+            Under `jit_compile=True` (XLA cannot call back to Python) the
+            action runs at the next `overflow_summary()`, `read_events()` or
+            `check_min_scale()` call, raising `RuntimeError` for `"raise"`.
             Defaults to `"warn"`.
         event_buffer_size: int >= 1, capacity of the event ring buffer.
             Defaults to `64`.

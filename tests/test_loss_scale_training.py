@@ -61,6 +61,36 @@ def test_fit_trains_a_small_model(policy):
         assert summary["overflow_count"] == 0
 
 
+def test_mixed_float16_backs_off_from_an_overflowing_scale_and_trains():
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Embedding(50, 8),  # sparse (IndexedSlices) gradients
+            keras.layers.Flatten(),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.Adam(0.01), initial_scale=2.0**24, on_min_scale="raise"
+    )
+    model.compile(optimizer, "mse")
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, size=(256, 8))
+    y = (x[:, :1] / 25.0 - 1.0).astype("float32")
+    history = model.fit(x, y, batch_size=32, epochs=6, verbose=0)
+    summary = optimizer.overflow_summary()
+    # 2**24 * loss overflows float16 (max 65504): the first steps are skipped.
+    assert summary["overflow_count"] >= 3
+    assert summary["loss_scale"] < 2.0**24
+    assert int(optimizer.iterations.numpy()) == 48 - summary["overflow_count"]
+    assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+    losses = history.history["loss"]
+    assert losses[-1] < 0.2 * losses[0]
+
+
 OVERFLOW_STEPS = (1, 4, 5)  # 0-based steps whose FIRST replica sees an Inf input
 NUM_STEPS = 8
 GLOBAL_BATCH = 4

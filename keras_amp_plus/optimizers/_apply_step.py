@@ -96,47 +96,42 @@ def _finish_step(optimizer, flags, apply_fn, has_nan_fn):
     tf.cond(finite, apply_branch, skip_branch)
 
 
-def apply_step(optimizer, grads, trainable_variables=None) -> None:
-    """Run one scaler step from replica context (what `apply()` is called in)."""
-    if tf.distribute.in_cross_replica_context():
-        raise ValueError("apply() must be called in a replica context.")
-    grads = list(grads)
-    variables = (
-        optimizer._tracked.variables
-        if trainable_variables is None
-        else list(trainable_variables)
-    )
-    positions = optimizer._tracked.positions(variables)
+def _apply_with_merge_call(optimizer, grads, trainable_variables, positions):
+    """Decide and update once, in cross-replica context (MirroredStrategy on CPUs)."""
     num_tracked = len(optimizer._tracked.variables)
 
-    if tf.distribute.has_strategy() and not _compat.strategy_supports_no_merge_call():
+    def cross_replica_step(distribution, grads, trainable_variables):
+        def stacked_per_replica(fn):
+            per_replica = _compat.call_for_each_replica(distribution, fn, (grads,))
+            return tf.stack(distribution.experimental_local_results(per_replica))
 
-        def cross_replica_step(distribution, grads, trainable_variables):
-            def local_any(fn):
-                per_replica = _compat.call_for_each_replica(distribution, fn, (grads,))
-                return tf.stack(distribution.experimental_local_results(per_replica))
+        def flags_fn(replica_grads):
+            return finite_flags(replica_grads, positions, num_tracked)
 
-            def flags_fn(g):
-                return finite_flags(g, positions, num_tracked)
-
-            flags = tf.reduce_all(local_any(flags_fn), axis=0)
-            _finish_step(
-                optimizer,
-                flags,
-                lambda: _compat.call_for_each_replica(
-                    distribution,
-                    lambda g, v: apply_unscaled(optimizer, g, v),
-                    (grads, trainable_variables),
-                ),
-                lambda: tf.reduce_any(local_any(any_nan)),
+        def apply_fn():
+            _compat.call_for_each_replica(
+                distribution,
+                lambda g, v: apply_unscaled(optimizer, g, v),
+                (grads, trainable_variables),
             )
 
-        tf.distribute.get_replica_context().merge_call(
-            cross_replica_step, args=(grads, trainable_variables)
+        # A gradient is finite only if it is finite on every replica.
+        flags = tf.reduce_all(stacked_per_replica(flags_fn), axis=0)
+        _finish_step(
+            optimizer,
+            flags,
+            apply_fn,
+            lambda: tf.reduce_any(stacked_per_replica(any_nan)),
         )
-        return
 
-    flags = finite_flags(grads, positions, num_tracked)
+    tf.distribute.get_replica_context().merge_call(
+        cross_replica_step, args=(grads, trainable_variables)
+    )
+
+
+def _apply_in_replica_context(optimizer, grads, trainable_variables, positions):
+    """Decide and update in place (no strategy, or one without `merge_call`)."""
+    flags = finite_flags(grads, positions, len(optimizer._tracked.variables))
     has_nan_fn = lambda: any_nan(grads)  # noqa: E731 - evaluated in the skip branch
     if tf.distribute.has_strategy():
         # Replicas see different local gradients: agree on one decision.
@@ -152,3 +147,20 @@ def apply_step(optimizer, grads, trainable_variables=None) -> None:
         lambda: apply_unscaled(optimizer, grads, trainable_variables),
         has_nan_fn,
     )
+
+
+def apply_step(optimizer, grads, trainable_variables=None) -> None:
+    """Run one scaler step from replica context (what `apply()` is called in)."""
+    if tf.distribute.in_cross_replica_context():
+        raise ValueError("apply() must be called in a replica context.")
+    grads = list(grads)
+    variables = (
+        optimizer._tracked.variables
+        if trainable_variables is None
+        else list(trainable_variables)
+    )
+    positions = optimizer._tracked.positions(variables)
+    if tf.distribute.has_strategy() and not _compat.strategy_supports_no_merge_call():
+        _apply_with_merge_call(optimizer, grads, trainable_variables, positions)
+    else:
+        _apply_in_replica_context(optimizer, grads, trainable_variables, positions)

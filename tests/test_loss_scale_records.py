@@ -202,3 +202,18 @@ def test_guard_skips_a_nan_step_and_applies_the_next_finite_one(policy):
     assert optimizer.overflow_summary()["last_step_skipped"] is False
     assert float(optimizer.dynamic_scale.numpy()) == 1.0
     assert optimizer.scale_loss(3.0) == 3.0
+
+
+def test_apply_with_a_reordered_subset_maps_gradients_to_their_columns():
+    model = three_layer_model()
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    subset = [variables[5], variables[2]]  # last/bias, middle/kernel
+    grads = [tf.constant(np.full(v.shape, 0.5, "float32")) for v in subset]
+    grads[1] = tf.tensor_scatter_nd_update(grads[1], [[0, 0]], [float("inf")])
+    optimizer.apply(grads, subset)
+    counts = optimizer.overflow_summary()["by_variable"]
+    assert [path for path, count in counts.items() if count] == [
+        "sequential/middle/kernel"
+    ]

@@ -25,7 +25,9 @@ class AMPMonitor(keras.callbacks.Callback):
     - TensorBoard run `<log_dir>/amp`: `amp/loss_scale` and `amp/skipped_steps`
       (cumulative) at the global train step; `amp/overflow_events`,
       `amp/overflow_rate` (events / steps) and `amp/overflow/<layer path>` per
-      epoch (at step = epoch); text `amp/lists` and `amp/changes`.
+      epoch (at step = epoch); text `amp/lists` (at step = the epoch the lists
+      take effect in: the first, and the one after each change) and
+      `amp/changes` (at the epoch that decided them).
     - `<log_dir>/amp_events.jsonl`: one JSON object per overflow event and per
       list change; `<log_dir>/amp_state.json`: what a resumed `fit` needs.
     - `logs["loss_scale"]` and `logs["overflow_events"]` each epoch, so History,
@@ -132,7 +134,7 @@ class AMPMonitor(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         """Report the epoch, adapt the lists, save the state."""
         session = self._session
-        session.epoch_events.extend(session.drain())
+        session.epoch_events.extend(session.drain(force_scalars=True))
         epoch_events = session.epoch_events
         steps = session.steps_in_epoch()
         per_layer = collections.Counter(
@@ -147,7 +149,8 @@ class AMPMonitor(keras.callbacks.Callback):
             changes = session.adapt(epoch, self._evidence(epoch_events))
             if changes:
                 session.log.text("amp/changes", changes_markdown(changes), epoch)
-        session.log.text("amp/lists", self.lists.to_markdown(), epoch)
+                # The new lists take effect from the next epoch.
+                session.log.text("amp/lists", self.lists.to_markdown(), epoch + 1)
         session.end_epoch(epoch)
 
     def on_train_end(self, logs=None):

@@ -131,6 +131,8 @@ class MonitorSession:
         self.log = EventLog(monitor.log_dir)
         self.started = False
         self.epoch_events = []
+        self._written_scalars = None
+        self.snapshots = {}
 
     # -- start / resume ----------------------------------------------------------
     def start(self, epoch: int) -> None:
@@ -138,14 +140,17 @@ class MonitorSession:
         monitor = self.monitor
         state = monitor.state
         continuing = state.epoch >= 0
+        snapshots = state_module.load_snapshots(monitor.log_dir)
         if not continuing:
-            snapshot = state_module.load_snapshots(monitor.log_dir).get(epoch - 1)
+            snapshot = snapshots.get(epoch - 1)
             if epoch > 0 and snapshot is not None:
                 state, continuing = snapshot, True
                 logger.info("AMPMonitor: resuming the record of epoch %d.", epoch - 1)
             else:
                 state_module.clear_state(monitor.log_dir)
+                snapshots = {}
                 state.scaler_events = self._scaler_count()
+        self.snapshots = {e: s.to_dict() for e, s in snapshots.items()}
         monitor.state = state
         monitor.lists = PrecisionLists.from_config(state.lists)
         monitor.rule.set_state(state.adaptation.get("rule", {}))
@@ -155,7 +160,7 @@ class MonitorSession:
         self.log.open(keep_lines=state.jsonl_lines if continuing else None)
         if monitor.lists != PrecisionLists():
             self.engine.apply(self.model, monitor.lists)
-        self.log.text("amp/lists", monitor.lists.to_markdown(), max(epoch - 1, 0))
+        self.log.text("amp/lists", monitor.lists.to_markdown(), epoch)
         self.started = True
 
     def _scaler_count(self) -> int:
@@ -182,8 +187,12 @@ class MonitorSession:
         """Return the number of train steps of the current epoch."""
         return self.last_batch + 1
 
-    def drain(self) -> list:
-        """Read, attribute and write the events since the last read."""
+    def drain(self, force_scalars: bool = False) -> list:
+        """Read, attribute and write the events since the last read.
+
+        The step scalars are written when they changed (or when forced, at the
+        end of an epoch): most reads find nothing new and cost one host read.
+        """
         self.steps_since_read = 0
         events = self.collector.collect(self.epoch)
         state = self.monitor.state
@@ -191,13 +200,13 @@ class MonitorSession:
             self.log.write_record(event)
             logger.debug("AMPMonitor overflow event: %s", event)
         state.skipped_steps += len(events)
-        self.log.scalars(
-            {
-                "amp/loss_scale": self.loss_scale(),
-                "amp/skipped_steps": state.skipped_steps,
-            },
-            step=int(self.recorder.total_steps.numpy()),
-        )
+        values = (self.loss_scale(), state.skipped_steps)
+        if force_scalars or values != self._written_scalars:
+            self._written_scalars = values
+            self.log.scalars(
+                {"amp/loss_scale": values[0], "amp/skipped_steps": values[1]},
+                step=int(self.recorder.total_steps.numpy()),
+            )
         return events
 
     def loss_scale(self):
@@ -276,7 +285,7 @@ class MonitorSession:
         state.recorder_events = self.collector.recorder_cursor
         state.scaler_events = self.collector.scaler_cursor
         state.jsonl_lines = self.log.lines_written
-        state_module.save_snapshot(monitor.log_dir, state)
+        state_module.save_snapshot(monitor.log_dir, state, self.snapshots)
         self.log.flush()
 
     def close(self) -> None:

@@ -84,21 +84,34 @@ def load_snapshots(log_dir: str | None) -> dict[int, MonitorState]:
     return {state.epoch: state for state in states}
 
 
-def save_snapshot(log_dir: str | None, state: MonitorState) -> None:
-    """Add `state` to the state file atomically, keeping the last few epochs."""
+def save_snapshot(
+    log_dir: str | None, state: MonitorState, snapshots: dict | None = None
+) -> None:
+    """Add `state` to the state file atomically, keeping the last few epochs.
+
+    Args:
+        log_dir: the monitor's log directory (None: nothing is written).
+        state: the state at the end of `state.epoch`.
+        snapshots: `{epoch: state dict}` already in the file, kept up to date
+            by this function so the file is not read back every epoch.
+            Defaults to `None` (read the file).
+    """
     if not log_dir:
         return
-    snapshots = load_snapshots(log_dir)
-    snapshots = {e: s for e, s in snapshots.items() if e < state.epoch}
-    snapshots[state.epoch] = state
-    kept = sorted(snapshots)[-SNAPSHOTS_KEPT:]
+    if snapshots is None:
+        snapshots = {e: s.to_dict() for e, s in load_snapshots(log_dir).items()}
+    for epoch in [e for e in snapshots if e >= state.epoch]:
+        del snapshots[epoch]  # a resumed run rewrites abandoned epochs
+    snapshots[state.epoch] = state.to_dict()
+    for epoch in sorted(snapshots)[:-SNAPSHOTS_KEPT]:
+        del snapshots[epoch]
     data = {
         "format": FORMAT_VERSION,
-        "snapshots": [snapshots[e].to_dict() for e in kept],
+        "snapshots": [snapshots[e] for e in sorted(snapshots)],
     }
     temporary = state_path(log_dir) + ".tmp"
     with open(temporary, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+        json.dump(data, f, sort_keys=True)
     os.replace(temporary, state_path(log_dir))
 
 

@@ -1,0 +1,171 @@
+"""Benchmark the cost of AMPMonitor (at its defaults) on `fit`'s train step.
+
+The same MLP (Dense + LayerNorm blocks) on the same data, trained with `fit`
+under `mixed_bfloat16`, with and without `AMPMonitor(log_dir)` at its
+defaults, in two set-ups: with `LossScaleOptimizer.guard` (the monitor reads
+the scaler's records) and with no scaler (the monitor watches the loss only).
+`mixed_float16` is left out: on this CPU its steps are about 100x slower than
+bfloat16 ones (no fast float16 kernels), so the monitor's fixed cost per step
+would look smaller there; bfloat16 is the demanding case.
+
+Each run is one `fit` of `1 + --epochs` epochs; the first epoch (tracing) is
+not timed. The timed span, measured with the process CPU time
+(`time.process_time()`, all threads) by a callback placed after the monitor,
+covers every later step and all the monitor's per-step and per-epoch work
+(its reads every 64 steps, TensorBoard and JSON writes, state file). Variants
+run interleaved (the order alternates every repetition), each repetition
+builds fresh models with the same initial weights, and the table shows the
+median ms/step of `--reps` repetitions and the overhead.
+
+Target: at most 3% overhead.
+
+Usage: python benchmarks/monitor.py [--quick] [--reps N] [--epochs N]
+       [--steps N] [--output PATH]
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_amp_plus.callbacks import AMPMonitor
+from keras_amp_plus.optimizers import LossScaleOptimizer
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+TARGET_OVERHEAD = 0.03
+SETUPS = ("bf16_guard", "bf16_no_scaler")
+VARIANTS = ("without", "with_monitor")
+NUM_FEATURES = 256
+
+
+class EpochTimer(keras.callbacks.Callback):
+    """CPU time from the start of epoch 1 to the end of the last epoch."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            self.start = time.process_time()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.end = time.process_time()
+
+
+def build_model(setup, width, depth, num_features):
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((num_features,))
+    x = inputs
+    for _ in range(depth):
+        x = keras.layers.Dense(width, activation="relu")(x)
+        x = keras.layers.LayerNormalization()(x)
+    outputs = keras.layers.Dense(10, dtype="float32")(x)
+    model = keras.Model(inputs, outputs)
+    optimizer = keras.optimizers.Adam(1e-4)
+    if setup == "bf16_guard":
+        optimizer = LossScaleOptimizer.guard(optimizer)
+    model.compile(optimizer, loss="sparse_categorical_crossentropy")
+    return model
+
+
+def time_run(setup, variant, dataset, args):
+    model = build_model(setup, args.width, args.depth, NUM_FEATURES)
+    timer = EpochTimer()
+    callbacks = [timer]
+    with tempfile.TemporaryDirectory() as log_dir:
+        if variant == "with_monitor":
+            callbacks.insert(0, AMPMonitor(log_dir))
+        model.fit(
+            dataset,
+            epochs=1 + args.epochs,
+            steps_per_epoch=args.steps,
+            verbose=0,
+            callbacks=callbacks,
+        )
+    keras.config.set_dtype_policy("float32")
+    keras.backend.clear_session()
+    return 1000.0 * (timer.end - timer.start) / (args.epochs * args.steps)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small, fast run")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    if args.quick:
+        args.epochs, args.steps, args.width = 2, 64, 256
+    name = "monitor_quick.json" if args.quick else "monitor.json"
+    args.output = args.output or str(RESULTS / name)
+
+    rng = np.random.default_rng(0)
+    samples = args.batch * args.steps
+    x = rng.normal(size=(samples, NUM_FEATURES)).astype("float32")
+    y = rng.integers(0, 10, size=(samples,)).astype("int32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat()
+
+    timings = {p: {v: [] for v in VARIANTS} for p in SETUPS}
+    for rep in range(args.reps):
+        order = VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
+        for setup in SETUPS:
+            for variant in order:
+                timings[setup][variant].append(time_run(setup, variant, dataset, args))
+
+    rows = []
+    print(f"{'setup':16} {'variant':14} {'ms/step':>9} {'overhead':>9}")
+    for setup in SETUPS:
+        base = statistics.median(timings[setup]["without"])
+        for variant in VARIANTS:
+            median = statistics.median(timings[setup][variant])
+            overhead = median / base - 1.0
+            rows.append(
+                {
+                    "setup": setup,
+                    "variant": variant,
+                    "median_ms_per_step": round(median, 3),
+                    "overhead": round(overhead, 4),
+                    "runs_ms_per_step": [round(t, 3) for t in timings[setup][variant]],
+                }
+            )
+            print(f"{setup:16} {variant:14} {median:9.3f} {overhead:+9.2%}")
+    worst = max(r["overhead"] for r in rows if r["variant"] == "with_monitor")
+    verdict = "met" if worst <= TARGET_OVERHEAD else "MISSED"
+    print(f"target: overhead <= {TARGET_OVERHEAD:.0%}: {verdict} (worst {worst:+.2%})")
+    result = {
+        "benchmark": "monitor",
+        "description": "fit train-step CPU time with AMPMonitor defaults vs without",
+        "settings": {
+            k: getattr(args, k)
+            for k in ("quick", "reps", "epochs", "steps", "batch", "width", "depth")
+        },
+        "target_overhead": TARGET_OVERHEAD,
+        "worst_overhead": worst,
+        "target_met": worst <= TARGET_OVERHEAD,
+        "rows": rows,
+        "machine": {
+            "python": platform.python_version(),
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "processor": platform.processor() or platform.machine(),
+        },
+    }
+    pathlib.Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -217,3 +217,15 @@ def test_apply_with_a_reordered_subset_maps_gradients_to_their_columns():
     assert [path for path, count in counts.items() if count] == [
         "sequential/middle/kernel"
     ]
+
+
+@pytest.mark.parametrize(
+    ("since_count", "error"), [(-1, ValueError), (1.5, TypeError), ("0", TypeError)]
+)
+def test_read_events_rejects_a_bad_since_count(since_count, error):
+    # A negative count used to come back as "1 overflow events were overwritten".
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    optimizer.build([keras.Variable([1.0])])
+    with pytest.raises(error, match=f"Received: since_count={since_count!r}"):
+        optimizer.read_events(since_count)
+    assert optimizer.read_events(np.int64(3)) == []  # ahead of the count: nothing

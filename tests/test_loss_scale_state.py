@@ -164,19 +164,33 @@ def test_random_sequence_matches_reference_schedule(hysteresis):
     assert int(optimizer.overflow_count.numpy()) == steps.count(False)
 
 
-def test_defaults_behave_like_keras_scaler():
-    grads = [3.0, INF, 5.0, 2.0, float("nan"), 1.0, 7.0, 0.5]
+@pytest.mark.parametrize("compiled", [False, True])
+def test_defaults_behave_like_keras_scaler(compiled):
+    # Compared after every step: scale, growth counter, iterations (which a
+    # skipped step does not advance), weight and the inner optimizer's slots.
+    grads = [3.0, INF, 5.0, 2.0, float("nan"), 1.0, 7.0, 0.5, 1.0, 1.0, INF, 2.0]
     results = []
     for cls in (keras.optimizers.LossScaleOptimizer, LossScaleOptimizer):
         variable = keras.Variable([1.0])
         optimizer = cls(keras.optimizers.Adam(0.1), dynamic_growth_steps=2)
-        step = make_stepper(optimizer, variable, compiled=True)
+        step = make_stepper(optimizer, variable, compiled)
         trace = []
         for value in grads:
             step(value)
-            trace.append((scale_of(optimizer), float(variable.numpy()[0])))
+            slots = [v.numpy().tolist() for v in optimizer.inner_optimizer.variables]
+            trace.append(
+                (
+                    scale_of(optimizer),
+                    int(optimizer.step_counter.numpy()),
+                    int(optimizer.iterations.numpy()),
+                    float(variable.numpy()[0]),
+                    slots,
+                )
+            )
         results.append(trace)
     assert results[0] == results[1]
+    assert [t[0] for t in results[1]][:4] == [2.0**15, 2.0**14, 2.0**14, 2.0**15]
+    assert results[1][-1][2] == len(grads) - 3  # three skipped steps
 
 
 def overflowing_model(optimizer):

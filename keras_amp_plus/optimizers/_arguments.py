@@ -69,12 +69,14 @@ def check_scale_bounds(initial_scale, min_scale, max_scale) -> None:
         )
     if min_scale > max_scale:
         raise ValueError(
-            "`min_scale` must not be greater than `max_scale`. Received: "
+            "`min_scale` must not be greater than `max_scale`. Lower `min_scale` "
+            "or raise `max_scale` (equal values fix the scale). Received: "
             f"min_scale={min_scale!r}, max_scale={max_scale!r}"
         )
     if not min_scale <= initial_scale <= max_scale:
         raise ValueError(
-            "`initial_scale` must lie in [min_scale, max_scale]. Received: "
+            "`initial_scale` must lie in [min_scale, max_scale]. Pass an "
+            "`initial_scale` in that range or widen the bounds. Received: "
             f"initial_scale={initial_scale!r}, min_scale={min_scale!r}, "
             f"max_scale={max_scale!r}"
         )

@@ -7,6 +7,7 @@ aggregation and are updated once per step (in cross-replica context under a
 there are, and a later multi-worker reduction has one well-defined value.
 """
 
+import numbers
 import warnings
 
 import tensorflow as tf
@@ -125,8 +126,20 @@ def read_events(optimizer, since_count: int = 0) -> list:
     """Return the events whose overflow index is greater than `since_count`.
 
     Events older than the ring buffer's capacity are gone: a warning says how
-    many were lost, and the oldest events still held are returned.
+    many were lost, and the oldest events still held are returned. A
+    `since_count` at or above `overflow_count` returns no events.
     """
+    if isinstance(since_count, bool) or not isinstance(since_count, numbers.Integral):
+        raise TypeError(
+            "`since_count` must be an int: the `overflow_count` last seen (0 for "
+            f"all events). Received: since_count={since_count!r}"
+        )
+    if since_count < 0:
+        # A negative count used to be reported as overwritten events.
+        raise ValueError(
+            "`since_count` must be >= 0: the `overflow_count` last seen (0 for "
+            f"all events). Received: since_count={since_count!r}"
+        )
     count = int(optimizer.overflow_count.numpy())
     capacity = optimizer.event_buffer_size
     oldest_held = max(count - capacity, 0)

@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+import keras_amp_plus
 from keras_amp_plus import _compat
 from keras_amp_plus.optimizers import LossScaleOptimizer
 
@@ -37,3 +38,7 @@ def test_xla_trace_is_detected():
     tf.function(probe, jit_compile=True)()
     tf.function(probe)()
     assert seen == {0: True, 1: False}
+
+
+def test_exported_at_the_package_top_level():
+    assert keras_amp_plus.LossScaleOptimizer is LossScaleOptimizer

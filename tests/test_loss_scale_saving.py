@@ -135,3 +135,37 @@ def test_backup_and_restore_brings_back_the_records(tmp_path):
     fresh_model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[restore])
     assert record_state(fresh) == state
     assert state["overflow_count"] == 3
+
+
+def test_wrapped_ring_buffer_survives_save_and_load(tmp_path):
+    # 5 overflow events in a 2-slot ring: after reload, reading from the last
+    # seen count gives the same events, and new events land in the same slots.
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.01),
+        initial_scale=2.0**10,
+        event_buffer_size=2,
+        on_min_scale="ignore",
+    )
+    model.compile(optimizer, "mse")
+    x = np.ones((8, 2), "float32")
+    x[[0, 2, 3, 5, 7], 0] = np.inf
+    y = np.zeros((8, 1), "float32")
+    model.fit(x, y, batch_size=1, epochs=1, verbose=0, shuffle=False)
+    path = str(tmp_path / "wrapped.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+
+    def without_paths(events):
+        return [{k: v for k, v in e.items() if k != "variables"} for e in events]
+
+    held = optimizer.read_events(3)
+    assert [(e["index"], e["step"]) for e in held] == [(4, 6), (5, 8)]
+    assert without_paths(loaded.optimizer.read_events(3)) == without_paths(held)
+    for trained in (model, loaded):
+        trained.fit(x[:3], y[:3], batch_size=1, epochs=1, verbose=0, shuffle=False)
+    after = loaded.optimizer.read_events(5)
+    assert [(e["index"], e["step"]) for e in after] == [(6, 9), (7, 11)]
+    assert without_paths(after) == without_paths(optimizer.read_events(5))
+    assert loaded.optimizer.event_steps.numpy().tolist() == [11, 9]

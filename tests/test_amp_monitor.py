@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from keras_amp_plus.callbacks import AMPMonitor
 from keras_amp_plus.optimizers import LossScaleOptimizer
+from keras_amp_plus.policy import PrecisionLists
 
 BATCH, SAMPLES = 16, 128
 STEPS_PER_EPOCH = SAMPLES // BATCH
@@ -226,3 +227,34 @@ def test_scaler_calibration_is_not_blamed_on_a_layer(tmp_path):
         assert event["scale_before"] > 1.0
     assert monitor.lists.deny_layers == ()
     assert [r for r in read_jsonl(str(tmp_path)) if r["type"] == "list_change"] == []
+
+
+def test_exact_counts_with_steps_per_execution(tmp_path):
+    # Batch hooks fire once per 4 steps; the ring still yields every event.
+    model = overflow_model("mixed_float16", on_min_scale="ignore")
+    model.compile(
+        model.optimizer, loss="mse", steps_per_execution=4, auto_scale_loss=False
+    )
+    monitor = AMPMonitor(str(tmp_path), adapt=False, read_every_steps=4)
+    history = train(model, [monitor], epochs=2)
+    assert history.history["overflow_events"] == [STEPS_PER_EPOCH] * 2
+    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    assert [e["step"] for e in events] == list(range(1, 2 * STEPS_PER_EPOCH + 1))
+
+
+def test_graph_engine_lists_are_applied_and_restored(tmp_path):
+    variable = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD"
+    before = os.environ.get(variable)
+    seen = []
+
+    class ReadEnvironment(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(os.environ.get(variable))
+
+    model = overflow_model("float32", scaler="none", hot_scale=1.0)
+    lists = PrecisionLists(deny_ops=("Softmax",))
+    monitor = AMPMonitor(str(tmp_path), engine="grappler", lists=lists)
+    train(model, [monitor, ReadEnvironment()], epochs=1)
+    assert "Softmax" in seen[0].split(",")
+    assert os.environ.get(variable) == before
+    assert monitor.lists == lists

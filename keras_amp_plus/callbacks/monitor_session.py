@@ -261,8 +261,8 @@ class MonitorSession:
                     epoch,
                     change["kind"],
                     change["name"],
-                    change["from"],
-                    change["to"],
+                    change["from"] or "no list",
+                    change["to"] or "no list",
                     change["layer"],
                     decision.reason,
                 )

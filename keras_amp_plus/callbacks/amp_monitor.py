@@ -5,7 +5,7 @@ import logging
 
 import keras
 
-from keras_amp_plus.callbacks import monitor_session
+from keras_amp_plus.callbacks import checks, monitor_session
 from keras_amp_plus.callbacks.adaptation import AdaptationRule
 from keras_amp_plus.callbacks.event_log import changes_markdown
 from keras_amp_plus.callbacks.state import MonitorState
@@ -96,7 +96,7 @@ class AMPMonitor(keras.callbacks.Callback):
         replay: bool = True,
     ):
         super().__init__()
-        monitor_session.check_arguments(
+        checks.check_arguments(
             log_dir=log_dir,
             deny_threshold=deny_threshold,
             patience=patience,
@@ -105,7 +105,7 @@ class AMPMonitor(keras.callbacks.Callback):
             read_every_steps=read_every_steps,
         )
         self.log_dir = None if log_dir is None else str(log_dir)
-        self.lists = monitor_session.as_lists(lists)
+        self.lists = checks.as_lists(lists)
         self.engine = engine
         self.adapt = bool(adapt)
         self.trusted_backward_scale = float(trusted_backward_scale)

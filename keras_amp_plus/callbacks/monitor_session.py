@@ -1,29 +1,26 @@
-"""One `fit` as seen by `AMPMonitor`: checks, instrumentation, reads, writes.
+"""One `fit` as seen by `AMPMonitor`: instrumentation, reads, writes, resume.
 
-Everything that can fail on bad input fails in `MonitorSession.__init__`, that
-is in `on_train_begin`, before the first step: an unwritable `log_dir`, a model
-without an optimizer, an unknown engine, list entries naming no layer.
+`MonitorSession.__init__` runs in `on_train_begin` and does every check of
+`keras_amp_plus.callbacks.checks` before it touches the model.
 """
 
 import logging
 
+from keras_amp_plus.callbacks import checks
 from keras_amp_plus.callbacks import state as state_module
 from keras_amp_plus.callbacks.attribution import LayerIndex
 from keras_amp_plus.callbacks.event_collector import EventCollector
-from keras_amp_plus.callbacks.event_log import EventLog, check_writable
+from keras_amp_plus.callbacks.event_log import EventLog
 from keras_amp_plus.callbacks.list_editor import ListEditor
 from keras_amp_plus.callbacks.step_recorder import (
     SCALER_KAP,
     SCALER_NONE,
     StepRecorder,
 )
-from keras_amp_plus.engines import resolve_engine
-from keras_amp_plus.engines.itex import require_itex
-from keras_amp_plus.policy import OP_FIELDS, PrecisionLists
+from keras_amp_plus.policy import PrecisionLists
 
 logger = logging.getLogger("keras_amp_plus")
 
-DEFAULT_CAPACITY = 64
 GUARD_ADVICE = (
     "AMPMonitor: the loss was Inf/NaN on %d step(s) of epoch %d and no loss "
     "scale optimizer skipped them, so the weights were updated with non-finite "
@@ -33,94 +30,21 @@ GUARD_ADVICE = (
 )
 
 
-def check_arguments(log_dir, read_every_steps, **counts) -> None:
-    """Validate the monitor's constructor arguments (Keras-style errors)."""
-    if (
-        log_dir is not None
-        and not isinstance(log_dir, (str, bytes))
-        and (not hasattr(log_dir, "__fspath__"))
-    ):
-        raise TypeError(
-            "`log_dir` must be a path (str or os.PathLike) or None. "
-            f"Received: log_dir={log_dir!r}"
-        )
-    for name, value in counts.items():
-        minimum = 1 if name == "deny_threshold" else 0
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(
-                f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
-            )
-    if read_every_steps is not None and (
-        not isinstance(read_every_steps, int) or read_every_steps < 1
-    ):
-        raise ValueError(
-            "`read_every_steps` must be a positive integer or None. "
-            f"Received: read_every_steps={read_every_steps!r}"
-        )
-
-
-def as_lists(lists) -> PrecisionLists:
-    """Accept PrecisionLists, its config dict, or None."""
-    if lists is None:
-        return PrecisionLists()
-    if isinstance(lists, PrecisionLists):
-        return lists
-    if isinstance(lists, dict):
-        return PrecisionLists.from_config(lists)
-    raise TypeError(
-        "`lists` must be a `keras_amp_plus.PrecisionLists`, its config dict, or "
-        f"None. Received: lists={lists!r}"
-    )
-
-
-def _check_model(model) -> None:
-    if getattr(model, "optimizer", None) is None:
-        raise ValueError(
-            "AMPMonitor needs a model compiled with an optimizer: it reads the "
-            "loss scale and overflow records from it. Call `model.compile("
-            "optimizer=..., loss=...)` first. Received: optimizer=None"
-        )
-
-
 class MonitorSession:
     """State of one `fit` call (see module doc)."""
 
     def __init__(self, monitor, model):
-        _check_model(model)
-        if monitor.log_dir:
-            check_writable(monitor.log_dir)
         self.monitor = monitor
         self.model = model
-        self.engine = resolve_engine(monitor.engine, model)
-        if self.engine.name == "itex":
-            require_itex()  # fail now, not at the first list change
-        if self.engine.level == "layer":
-            ops = {f: getattr(monitor.lists, f) for f in OP_FIELDS}
-            if any(ops.values()):
-                raise ValueError(
-                    f"Engine {self.engine.name!r} works on layers, but `lists` "
-                    "holds op types. Use engine='grappler' (or 'itex') for op "
-                    f"lists, or name layers instead. Received: {ops}"
-                )
-        monitor.lists.matching_layers(model)
+        self.engine = checks.check_fit_setup(monitor, model)
         optimizer = model.optimizer
         if not optimizer.built:
             # The scaler's variables are read by the wrapped step from its
             # first trace on; `BackupAndRestore` builds it the same way.
             optimizer.build(model.trainable_variables)
-        capacity = getattr(optimizer, "event_buffer_size", DEFAULT_CAPACITY)
+        capacity = getattr(optimizer, "event_buffer_size", checks.DEFAULT_CAPACITY)
         self.read_every = monitor.read_every_steps or capacity
-        for name, value in (
-            ("read_every_steps", self.read_every),
-            ("steps_per_execution", model.steps_per_execution),
-        ):
-            if value > capacity:
-                raise ValueError(
-                    f"`{name}` must not exceed the event ring's capacity "
-                    f"({capacity}), or events could be overwritten before they "
-                    "are read. Lower it or raise the LossScaleOptimizer's "
-                    f"`event_buffer_size`. Received: {name}={value}"
-                )
+        checks.check_read_interval(self.read_every, model.steps_per_execution, capacity)
         self.index = LayerIndex(model)
         self.recorder = StepRecorder(model, capacity)
         self.recorder.install()

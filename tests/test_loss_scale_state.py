@@ -280,3 +280,33 @@ def test_floor_overflows_are_counted_in_every_mode():
         step(value)
     assert int(optimizer.min_scale_overflow_count.numpy()) == 2
     assert int(optimizer.last_min_scale_overflow_step.numpy()) == 4
+
+
+def test_under_xla_floor_overflows_loaded_from_a_file_are_not_acted_on_again(
+    tmp_path,
+):
+    # The loaded floor-overflow count used to count as new: the first host
+    # read after resuming raised for a step of the previous session.
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        initial_scale=2.0,
+        min_scale=2.0,
+        on_min_scale="raise",
+    )
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer, "mse", jit_compile=True)
+    x = np.array([[INF, 1.0], [1.0, 1.0]], "float32")
+    y = np.ones((2, 1), "float32")
+    with pytest.warns(UserWarning, match="cannot act inside an XLA-compiled"):
+        model.fit(x, y, batch_size=1, verbose=0, shuffle=False)
+    path = str(tmp_path / "floor.keras")
+    model.save(path)
+
+    loaded = keras.saving.load_model(path)
+    assert int(loaded.optimizer.min_scale_overflow_count.numpy()) == 1
+    with pytest.warns(UserWarning, match="cannot act inside an XLA-compiled"):
+        loaded.fit(x[1:], y[1:], batch_size=1, verbose=0)  # finite: no new hit
+    loaded.optimizer.check_min_scale()  # the loaded hit is not raised again
+    loaded.fit(x[:1], y[:1], batch_size=1, verbose=0)  # a new hit at the floor
+    with pytest.raises(RuntimeError, match="at step 4 while the loss scale"):
+        loaded.optimizer.check_min_scale()

@@ -166,6 +166,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._tracked = _overflow_records.TrackedVariables(var_list)
         _overflow_records.build_overflow_records(self, var_list)
 
+    def load_own_variables(self, store):
+        """Load the saved variables; floor overflows loaded were acted on before."""
+        super().load_own_variables(store)
+        if self.built:
+            # Without this, the host-side `on_min_scale` action of an
+            # XLA-compiled step raised or warned again for loaded counts.
+            self._min_scale_overflows_seen = int(self.min_scale_overflow_count.numpy())
+
     def apply(self, grads, trainable_variables=None):
         """Apply the unscaled gradients, or skip the step and record why."""
         if not self.built:

@@ -149,6 +149,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             event_buffer_size: capacity of the event ring buffer. Defaults
                 to `64`.
             name: optional name. Defaults to `None`.
+
+        Returns:
+            A `LossScaleOptimizer` with the scale fixed at 1.
+
+        Example:
+        >>> import keras, keras_amp_plus
+        >>> guard = keras_amp_plus.optimizers.LossScaleOptimizer.guard(
+        ...     keras.optimizers.SGD(0.5))
+        >>> v = keras.Variable([1.0])
+        >>> guard.apply([keras.ops.array([float("nan")])], [v])
+        >>> guard.apply([keras.ops.array([1.0])], [v])
+        >>> float(v.numpy()[0]), guard.overflow_summary()["nan_steps"]
+        (0.5, 1)
         """
         return cls(
             inner_optimizer,
@@ -160,13 +173,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             name=name,
         )
 
-    def build(self, var_list):
+    def build(self, var_list: list) -> None:
         """Create Keras's scaler state, the inner slots and the overflow records."""
         super().build(var_list)
         self._tracked = _overflow_records.TrackedVariables(var_list)
         _overflow_records.build_overflow_records(self, var_list)
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store) -> None:
         """Load the saved variables; floor overflows loaded were acted on before."""
         super().load_own_variables(store)
         if self.built:
@@ -174,7 +187,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             # XLA-compiled step raised or warned again for loaded counts.
             self._min_scale_overflows_seen = int(self.min_scale_overflow_count.numpy())
 
-    def apply(self, grads, trainable_variables=None):
+    def apply(self, grads: list, trainable_variables: list | None = None) -> None:
         """Apply the unscaled gradients, or skip the step and record why."""
         if not self.built:
             with keras.name_scope(self.name, caller=self):
@@ -189,7 +202,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return super().scale_loss(loss)
 
     def overflow_summary(self) -> dict:
-        """Return counts, current scale and per-variable overflow counts."""
+        """Return the overflow counts, the current scale and the per-variable counts.
+
+        Returns:
+            A plain dict: `{"overflow_count": int, "nan_steps": int,
+            "inf_steps": int, "last_step_skipped": bool, "loss_scale": float,
+            "by_variable": {variable.path: int}}`.
+        """
         self.check_min_scale()
         return _overflow_records.overflow_summary(self)
 
@@ -202,21 +221,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         _scale_schedule.check_min_scale_on_host(self)
 
-    def tracked_variable_paths(self) -> list:
+    def tracked_variable_paths(self) -> list[str]:
         """Return variable paths in the order of the per-variable records."""
         return _overflow_records.tracked_variable_paths(self)
 
-    def read_events(self, since_count: int = 0) -> list:
+    def read_events(self, since_count: int = 0) -> list[dict]:
         """Return the overflow events with index greater than `since_count`.
 
         Each event is a dict with `index`, `step`, `scale_before`,
         `scale_after`, `has_nan` and `variables` (paths). Warns when events
         were overwritten before being read.
+
+        Args:
+            since_count: the `overflow_count` last seen, an int >= 0.
+                Defaults to `0` (every event still held).
         """
         self.check_min_scale()
         return _overflow_records.read_events(self, since_count)
 
-    def get_config(self):
+    def get_config(self) -> dict:
         """Return Keras's config plus every argument this subclass adds."""
         config = super().get_config()
         config.update(

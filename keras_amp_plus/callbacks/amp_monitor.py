@@ -30,9 +30,10 @@ class AMPMonitor(keras.callbacks.Callback):
       `amp/changes` (at the epoch that decided them).
     - `<log_dir>/amp_events.jsonl`: one JSON object per overflow event and per
       list change; `<log_dir>/amp_state.json`: what a resumed `fit` needs.
-    - `logs["loss_scale"]` and `logs["overflow_events"]` each epoch, so History,
-      CSVLogger and Keras's TensorBoard record them when the monitor comes
-      before them in the callbacks list.
+    - `logs["loss_scale"]` (when there is a scaler) and
+      `logs["overflow_events"]` each epoch, so History, CSVLogger and Keras's
+      TensorBoard record them when the monitor comes before them in the
+      callbacks list.
     - Python logging, `logging.getLogger("keras_amp_plus")`.
 
     Backward overflows are attributed from our `LossScaleOptimizer`'s
@@ -44,6 +45,15 @@ class AMPMonitor(keras.callbacks.Callback):
     `LossScaleOptimizer.guard`. With `adapt=True` the rule of
     `keras_amp_plus.callbacks.adaptation` moves layers between lists at epoch
     end, through the engine.
+
+    During `fit` only, the model's `train_step` and `compute_loss` are wrapped
+    on the instance (restored in `on_train_end`). At each epoch end the monitor
+    snapshots its state to `amp_state.json`, so a `fit` resumed by
+    `keras.callbacks.BackupAndRestore` (`save_freq="epoch"`) continues with the
+    same lists, counters and event file: the lines of the interrupted epoch are
+    dropped and that epoch's events are counted again, once. With the `keras`
+    engine the lists also live in the layers' dtype policies, which
+    `model.save` keeps.
 
     Args:
         log_dir: directory for TensorBoard, the JSON-lines file and the state

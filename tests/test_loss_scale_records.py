@@ -229,3 +229,19 @@ def test_read_events_rejects_a_bad_since_count(since_count, error):
     with pytest.raises(error, match=f"Received: since_count={since_count!r}"):
         optimizer.read_events(since_count)
     assert optimizer.read_events(np.int64(3)) == []  # ahead of the count: nothing
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda o: o.overflow_summary(),
+        lambda o: o.tracked_variable_paths(),
+        lambda o: o.read_events(0),
+    ],
+    ids=["overflow_summary", "tracked_variable_paths", "read_events"],
+)
+def test_reading_records_before_build_raises_a_clear_error(read):
+    # This used to be an AttributeError on a private attribute.
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match=r"must be built.*Received: optimizer\.built"):
+        read(optimizer)

@@ -103,8 +103,22 @@ def record_skipped_step(
     put(optimizer.event_variable_masks, mask)
 
 
+def require_built(optimizer, method: str) -> None:
+    """Raise a clear ValueError when the records do not exist yet."""
+    if not optimizer.built:
+        # Before build() the records do not exist: this used to surface as an
+        # AttributeError on a private attribute.
+        raise ValueError(
+            f"To call `{method}()`, the {type(optimizer).__name__} must be built "
+            "(its records are created with its variables). Train first, or "
+            "call `optimizer.build(model.trainable_variables)`. "
+            "Received: optimizer.built=False"
+        )
+
+
 def overflow_summary(optimizer) -> dict:
     """Return the plain-Python summary dict of the contract (one host read)."""
+    require_built(optimizer, "overflow_summary")
     paths = tracked_variable_paths(optimizer)
     counts = optimizer.variable_overflow_counts.numpy().tolist()
     return {
@@ -119,6 +133,7 @@ def overflow_summary(optimizer) -> dict:
 
 def tracked_variable_paths(optimizer) -> list:
     """Return the variable paths in the order of the per-variable records."""
+    require_built(optimizer, "tracked_variable_paths")
     return [v.path for v in optimizer._tracked.variables]
 
 
@@ -129,6 +144,7 @@ def read_events(optimizer, since_count: int = 0) -> list:
     many were lost, and the oldest events still held are returned. A
     `since_count` at or above `overflow_count` returns no events.
     """
+    require_built(optimizer, "read_events")
     if isinstance(since_count, bool) or not isinstance(since_count, numbers.Integral):
         raise TypeError(
             "`since_count` must be an int: the `overflow_count` last seen (0 for "

@@ -91,7 +91,11 @@ def test_mixed_float16_backs_off_from_an_overflowing_scale_and_trains():
     assert losses[-1] < 0.2 * losses[0]
 
 
-OVERFLOW_STEPS = (1, 4, 5)  # 0-based steps whose FIRST replica sees an Inf input
+# 0-based step -> row of its batch holding an Inf input. Rows 0-1 go to the first
+# replica, rows 2-3 to the second: Keras's own scaler takes the first replica's
+# finiteness only, so it misses step 4 and applies NaN gradients.
+OVERFLOW_ROWS = {1: 0, 4: 3, 5: 1}
+OVERFLOW_STEPS = tuple(OVERFLOW_ROWS)
 NUM_STEPS = 8
 GLOBAL_BATCH = 4
 
@@ -105,8 +109,8 @@ def run_mirrored_worker():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(NUM_STEPS * GLOBAL_BATCH, 3)).astype("float32")
     y = rng.normal(size=(NUM_STEPS * GLOBAL_BATCH, 1)).astype("float32")
-    for step in OVERFLOW_STEPS:
-        x[step * GLOBAL_BATCH, 0] = np.inf  # row 0 of the batch: replica 0 only
+    for step, row in OVERFLOW_ROWS.items():
+        x[step * GLOBAL_BATCH + row, 0] = np.inf  # one replica only
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="d")])
         optimizer = LossScaleOptimizer(

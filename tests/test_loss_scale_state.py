@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_amp_plus.optimizers import LossScaleOptimizer
+from keras_amp_plus.optimizers import LossScaleOptimizer, _scale_schedule
 
 INF = float("inf")
 
@@ -310,3 +310,28 @@ def test_under_xla_floor_overflows_loaded_from_a_file_are_not_acted_on_again(
     loaded.fit(x[:1], y[:1], batch_size=1, verbose=0)  # a new hit at the floor
     with pytest.raises(RuntimeError, match="at step 4 while the loss scale"):
         loaded.optimizer.check_min_scale()
+
+
+def test_python_is_called_back_only_for_an_overflow_at_the_floor(monkeypatch):
+    # No host round trip on the normal path: the "warn" callback (the only
+    # py_function in the step) runs on overflows at the floor, nowhere else.
+    calls = []
+    warn_once = _scale_schedule._warn_once
+
+    def counting_warn_once(optimizer, step, scale_before):
+        calls.append(int(step))
+        return warn_once(optimizer, step, scale_before)
+
+    monkeypatch.setattr(_scale_schedule, "_warn_once", counting_warn_once)
+    variable = keras.Variable([1.0])
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=4.0, min_scale=2.0
+    )
+    step = make_stepper(optimizer, variable, compiled=True)
+    for value in [1.0, INF, 1.0, 1.0, 1.0]:  # finite, and one backoff 4 -> 2
+        step(value)
+    assert calls == []
+    with pytest.warns(UserWarning, match="already at its floor"):
+        step(INF)  # at the floor
+    step(INF)
+    assert calls == [6, 7]  # called each time; warns once

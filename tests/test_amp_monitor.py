@@ -258,3 +258,26 @@ def test_graph_engine_lists_are_applied_and_restored(tmp_path):
     assert "Softmax" in seen[0].split(",")
     assert os.environ.get(variable) == before
     assert monitor.lists == lists
+
+
+def test_a_denied_layer_earns_low_precision_back(tmp_path):
+    # `hot` overflows in epoch 0 only (its kernel is then scaled down, like a
+    # transient instability); after `patience` clean epochs it returns.
+    class CalmDown(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                kernel = self.model.get_layer("hot").kernel
+                kernel.assign(kernel * 1e-4)
+
+    model = overflow_model("mixed_float16")
+    monitor = AMPMonitor(str(tmp_path), read_every_steps=4, patience=1, cooldown=0)
+    history = train(model, [monitor, CalmDown()], epochs=3)
+    assert history.history["overflow_events"][0] == STEPS_PER_EPOCH
+    assert history.history["overflow_events"][2] == 0
+    changes = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "list_change"]
+    assert [(c["epoch"], c["from"], c["to"]) for c in changes] == [
+        (0, None, "deny"),
+        (1, "deny", "allow"),
+    ]
+    assert monitor.lists.allow_layers == ("hot",) and monitor.lists.deny_layers == ()
+    assert model.get_layer("hot").compute_dtype == "float16"

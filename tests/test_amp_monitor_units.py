@@ -188,3 +188,14 @@ def test_event_log_keeps_lines_on_resume_and_writes_tensorboard(tmp_path):
             for value in event.summary.value:
                 records.append((event.step, value.tag, tf.make_ndarray(value.tensor)))
     assert records == [(1, "amp/loss_scale", np.float32(4.0))]
+
+
+def test_list_editor_returns_unlisted_layers_to_the_allow_list():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = sequential_model()
+    last = model.get_layer("last").path
+    editor = ListEditor(KerasEngine(), attribution.LayerIndex(model))
+    denied, _ = editor.apply(PrecisionLists(), Decision(last, "deny", "r", {}))
+    back, changes = editor.apply(denied, Decision(last, "allow", "r", {}))
+    assert back == PrecisionLists(allow_layers=(last,))
+    assert [(c["from"], c["to"]) for c in changes] == [("deny", "allow")]

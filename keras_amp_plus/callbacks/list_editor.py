@@ -6,9 +6,11 @@ translated to its op types with the engine's documented mapping
 `engine.op_types_for_layer(layer)` and those op types move to `deny_ops`; note
 that this keeps every layer using those op types in float32.
 
-Moving a layer back restores exactly where its entries were before the monitor
-moved them (in no list, or in the allow/infer/clear list), and at op level an
-op type stays denied while another monitor-denied layer still needs it.
+Moving a layer back puts its entries where they were before the monitor moved
+them (the allow/infer/clear list, or no list for op types); a layer that was in
+no list goes to the allow list, so that it runs in the mixed policy even when
+its saved policy (after `load_model`) is float32. At op level an op type stays
+denied while another monitor-denied layer still needs it.
 """
 
 from keras_amp_plus import _compat
@@ -79,6 +81,11 @@ class ListEditor:
                 # Another denied layer still needs it: that layer undoes it later.
                 self.origins[keeper][name] = before
                 continue
+            if kind == "layer" and before is None:
+                # Back to low precision explicitly: a layer in no list keeps the
+                # policy it had when the engine first saw it, which after
+                # `load_model` is the saved float32 one.
+                before = "allow"
             lists = _move_to(lists, kind, name, before)
             changes.append(_change(kind, name, "deny", before, path))
         return lists, changes

@@ -17,10 +17,13 @@ relative to `keras.layers.LayerNormalization` (`python benchmarks/layers.py`
 prints the table): FusedBatchNormV3 reshaping trick 0.70x (and less accurate:
 its output is rounded before the float32 affine); float32 TF ops 0.82x; the
 same with this custom gradient 0.67x; XLA with autodiff 0.43x; XLA with this
-custom gradient and the sums as dots (below) 0.21x. One-pass statistics
+custom gradient and the sums as dots (below) 0.21x. The dots only pay from
+about 4M elements on: below that XLA emits them as single-threaded loops
+(0.94-1.27x of Keras's layer at 1.5M-3M elements), so there the sums stay
+reductions (0.51-0.66x from 0.26M to 3.6M elements, 0.9x at (64, 1024), where
+XLA's fixed cost per call of ~0.2 ms dominates). One-pass statistics
 (E[x^2] - E[x]^2) were as fast and failed on N(1000, 1) inputs, so the mean is
-subtracted before the variance is taken. The price of XLA is a fixed ~0.2 ms
-per call, which makes tensors below ~0.5M elements slower than Keras's layer.
+subtracted before the variance is taken.
 """
 
 import tensorflow as tf
@@ -31,14 +34,23 @@ def statistics_dtype(dtype: tf.DType) -> tf.DType:
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
+# Below this many elements XLA's CPU backend emits a (rows, n) x (n, 1) dot as
+# its own single-threaded loop, slower than the plain reduction: measured on
+# (rows, 1024) bfloat16 layer norms, forward + backward, relative to Keras's
+# layer, dot 0.94-1.27x at 1536-3000 rows and 0.25x at 4096 rows; reduction
+# 0.51-0.66x at 1000-4096 rows.
+_DOT_SUM_MIN_ELEMENTS = 2**22
+
+
 def _sum_over_axes(t, axes):
     """Sum `t` over `axes` (keepdims); a matrix product when they are adjacent.
 
     XLA's CPU backend emits reductions as plain loops, while a dot becomes one
     call into a multi-threaded, vectorized GEMM: summing a (32, 4096, 128)
     float32 tensor over its middle axis took 35 ms as a reduction and 5 ms as
-    `ones(1, 4096) @ x`. The shapes are read at run time, so unknown (None)
-    dimensions at trace time are fine.
+    `ones(1, 4096) @ x`. Below `_DOT_SUM_MIN_ELEMENTS` the reduction is the
+    faster one. The shapes are read at run time, so unknown (None) dimensions
+    at trace time are fine.
     """
     axes = sorted(axes)
     if axes != list(range(axes[0], axes[-1] + 1)):
@@ -47,12 +59,24 @@ def _sum_over_axes(t, axes):
     summed = tf.reduce_prod(dims[axes[0] : axes[-1] + 1])
     ones = tf.ones(tf.stack([1, summed]), t.dtype)
     if axes[-1] == t.shape.rank - 1:  # trailing axes: rows times a ones column
-        sums = tf.linalg.matmul(
-            tf.reshape(t, tf.stack([-1, summed])), ones, transpose_b=True
-        )
+        blocks = tf.reshape(t, tf.stack([-1, summed]))
+
+        def as_dot():
+            return tf.linalg.matmul(blocks, ones, transpose_b=True)
+
     else:  # a middle block: a ones row times each (summed, trailing) matrix
         trailing = tf.reduce_prod(dims[axes[-1] + 1 :])
-        sums = tf.linalg.matmul(ones, tf.reshape(t, tf.stack([-1, summed, trailing])))
+        blocks = tf.reshape(t, tf.stack([-1, summed, trailing]))
+
+        def as_dot():
+            return tf.linalg.matmul(ones, blocks)
+
+    # The size is a constant to XLA, which keeps only the branch taken.
+    sums = tf.cond(
+        tf.size(blocks) >= _DOT_SUM_MIN_ELEMENTS,
+        as_dot,
+        lambda: tf.reduce_sum(blocks, axis=1, keepdims=True),
+    )
     # Built from slices of the shape (not a scatter) so that XLA can still
     # evaluate it at compile time when this runs inside a jit-compiled model.
     kept = tf.concat(

@@ -28,6 +28,8 @@ subtracted before the variance is taken.
 
 import tensorflow as tf
 
+from keras_amp_plus.layers import _row_buckets
+
 
 def statistics_dtype(dtype: tf.DType) -> tf.DType:
     """Return the dtype statistics are computed in: float32, or float64 inputs'."""
@@ -157,6 +159,22 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """
     stat_axes = tuple(stat_axes)
     output_dtype = tf.as_dtype(output_dtype)
+
+    def normalize(x, gamma, beta, stat_axes):
+        return _normalize_with_gradient(
+            x, gamma, beta, epsilon, stat_axes, output_dtype
+        )
+
+    # Variable-length inputs would compile new XLA kernels at every new shape.
+    if _row_buckets.applies(x, gamma, stat_axes):
+        return _row_buckets.normalize_in_row_buckets(
+            normalize, x, gamma, beta, stat_axes
+        )
+    return normalize(x, gamma, beta, stat_axes)
+
+
+def _normalize_with_gradient(x, gamma, beta, epsilon, stat_axes, output_dtype):
+    """`fused_normalize` on shapes as they come, one XLA kernel per shape."""
     param_reduce_axes = tuple(
         axis for axis in range(x.shape.rank) if gamma.shape[axis] == 1
     )

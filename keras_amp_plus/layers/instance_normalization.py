@@ -21,7 +21,9 @@ class InstanceNormalization(keras.layers.Layer):
     `beta`. In float32 it equals `keras.layers.GroupNormalization(groups=-1)`.
     Statistics are computed in float32 under every policy, and forward and
     backward each run as one XLA-fused kernel; `gamma`/`beta` stay float32
-    under mixed policies and the output has the layer's compute dtype.
+    under mixed policies and the output has the layer's compute dtype. XLA
+    compiles a kernel per input shape: a model fed images of many different
+    sizes compiles once per size.
 
     Configs saved by TF Addons' `InstanceNormalization`
     (`"Addons>InstanceNormalization"`) load into this layer. Their `groups` key

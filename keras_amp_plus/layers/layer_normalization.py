@@ -28,7 +28,11 @@ class LayerNormalization(keras.layers.LayerNormalization):
       TensorFlow's graph-level `auto_mixed_precision_onednn_bfloat16` rewrite,
       which turns Keras's own statistics ops into bfloat16;
     - forward and backward each run as one XLA-fused kernel, and the backward
-      pass keeps only the input and two statistics per row alive;
+      pass keeps only the input and two statistics per row alive; XLA compiles
+      a kernel per input shape, so inputs whose length changes from batch to
+      batch (`keras.Input((None, features))`) are padded to one of two row
+      counts per power of two, bounding the compilations over a whole `fit`
+      (called eagerly, each new shape still compiles once);
     - with Intel Extension for TensorFlow importable, ITEX's fused layer-norm
       kernel is used for the last axis.
 

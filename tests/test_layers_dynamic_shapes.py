@@ -1,0 +1,147 @@
+"""Inputs whose shape changes between steps: numerics and bounded recompilation."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_amp_plus import layers
+from keras_amp_plus.layers import _row_buckets
+
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+FEATURES = 16
+# Relative to the largest value; float32 loses ~2**-14 to N(1000, 1) inputs.
+TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def test_row_buckets_bound_padding_and_count():
+    rows = np.arange(1, 5001)
+    buckets = np.asarray(_row_buckets.bucket_rows(rows))
+    assert np.all(buckets >= rows)
+    assert np.all(buckets <= np.maximum(1.5 * rows, rows + 1))
+    # Two sizes per power of two (at most three per octave with its ends).
+    assert len(set(buckets.tolist())) <= 2 * int(np.ceil(np.log2(5000))) + 1
+    assert int(_row_buckets.bucket_rows(0)) == 1
+
+
+def _reference(x, upstream, gamma, beta, epsilon=1e-3):
+    """Float64 layer norm over the last axis: output, x and weight gradients."""
+    mean = x.mean(-1, keepdims=True)
+    inverse_stddev = 1 / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + epsilon)
+    normalized = (x - mean) * inverse_stddev
+    scaled = upstream * gamma
+    x_grad = inverse_stddev * (
+        scaled
+        - scaled.mean(-1, keepdims=True)
+        - normalized * (scaled * normalized).mean(-1, keepdims=True)
+    )
+    leading = tuple(range(x.ndim - 1))
+    return (
+        normalized * gamma + beta,
+        x_grad,
+        (upstream * normalized).sum(leading),
+        upstream.sum(leading),
+    )
+
+
+def _graph_step(layer, dtype):
+    spec = tf.TensorSpec((None, None, FEATURES), dtype)
+
+    @tf.function(input_signature=[spec, spec])
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = layer(x)
+        grads = tape.gradient(
+            outputs, [x, layer.gamma, layer.beta], output_gradients=upstream
+        )
+        return outputs, grads
+
+    return step
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_variable_length_layer_normalization_matches_float64(policy):
+    keras.config.set_dtype_policy(policy)
+    compute = keras.config.dtype_policy().compute_dtype
+    layer = layers.LayerNormalization()
+    layer.build((None, None, FEATURES))
+    rng = np.random.default_rng(0)
+    layer.gamma.assign(rng.normal(1.0, 0.3, FEATURES))
+    layer.beta.assign(rng.normal(0.0, 0.3, FEATURES))
+    step = _graph_step(layer, compute)
+    graph = step.get_concrete_function().graph
+    assert "Pad" in {op.type for op in graph.get_operations()}  # bucketed path
+    gamma, beta = np.asarray(layer.gamma, "float64"), np.asarray(layer.beta, "float64")
+    for length in (3, 7, 11):  # 6, 14 and 22 rows: padded to 6, 16 and 24
+        x = tf.cast(rng.normal(1000.0, 1.0, (2, length, FEATURES)), compute)
+        upstream = tf.cast(rng.normal(0.0, 1.0, (2, length, FEATURES)), compute)
+        outputs, grads = step(x, upstream)
+        assert outputs.shape == (2, length, FEATURES) and outputs.dtype == compute
+        expected = _reference(
+            np.asarray(tf.cast(x, "float64")),
+            np.asarray(tf.cast(upstream, "float64")),
+            gamma,
+            beta,
+        )
+        for actual, wanted in zip((outputs, *grads), expected, strict=True):
+            actual = np.asarray(tf.cast(actual, "float64"))
+            scale = np.abs(wanted).max()
+            np.testing.assert_allclose(actual, wanted, atol=TOLERANCE[compute] * scale)
+
+
+def test_fixed_feature_shapes_with_unknown_batch_are_not_padded():
+    layer = layers.LayerNormalization()
+    layer.build((None, 5, FEATURES))
+    spec = tf.TensorSpec((None, 5, FEATURES), "float32")
+    graph = tf.function(layer).get_concrete_function(spec).graph
+    assert "Pad" not in {op.type for op in graph.get_operations()}
+
+
+_FIT_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np, tensorflow as tf, keras
+    from keras_amp_plus import layers
+    inputs = keras.Input((None, 8))
+    outputs = layers.LayerNormalization()(keras.layers.Dense(8)(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile("sgd", "mse")
+    def batches():
+        for length in range(3, 43, 2):  # 20 lengths, 6..82 rows
+            x = np.ones((2, length, 8), "float32") * np.arange(8, dtype="float32")
+            yield x, x
+    spec = tf.TensorSpec((None, None, 8))
+    model.fit(tf.data.Dataset.from_generator(batches, output_signature=(spec, spec)),
+              verbose=0)
+    """
+)
+
+
+def test_fit_on_variable_lengths_compiles_a_bounded_number_of_kernels(tmp_path):
+    dump = tmp_path / "xla"
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_dump_to={dump}",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "KERAS_BACKEND": "tensorflow",
+    }
+    completed = subprocess.run(
+        [sys.executable, "-c", _FIT_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    compiled = len(list(dump.glob("*normalize*before_optimizations.txt")))
+    assert compiled > 0, "no layer-norm kernel was compiled at all"
+    rows = np.arange(3, 43, 2) * 2
+    buckets = len(set(np.asarray(_row_buckets.bucket_rows(rows)).tolist()))
+    # A forward and a backward kernel per bucket, not per length (20 lengths).
+    assert compiled <= 2 * buckets < 2 * len(rows)

@@ -76,3 +76,8 @@ def test_undefined_weight_axis_raises():
 def test_swish_non_numeric_beta_raises():
     with pytest.raises(TypeError, match="Received: beta='one'"):
         layers.Swish(beta="one")
+
+
+def test_swish_function_integer_input_raises():
+    with pytest.raises(TypeError, match=r"Received: x\.dtype=int64"):
+        layers.swish(np.array([1, 2, 3]))

@@ -65,12 +65,12 @@ def check_defined_dims(axes, input_shape, layer_name: str) -> None:
             )
 
 
-def check_float_input(inputs, layer_name: str) -> None:
-    """Raise TypeError unless `inputs` has a floating-point dtype."""
+def check_float_input(inputs, layer_name: str, argument: str = "inputs") -> None:
+    """Raise TypeError unless `inputs` (named `argument`) has a float dtype."""
     dtype = keras.backend.standardize_dtype(inputs.dtype)
     if "float" not in dtype:
         raise TypeError(
             f"{layer_name} accepts floating-point inputs only. Cast the input "
             "to a float dtype first (e.g. `keras.ops.cast(x, 'float32')`). "
-            f"Received: inputs.dtype={dtype}"
+            f"Received: {argument}.dtype={dtype}"
         )

@@ -73,6 +73,8 @@ def swish(x, beta=1.0):
     - [Ramachandran et al., 2017](https://arxiv.org/abs/1710.05941).
     """
     x = tf.convert_to_tensor(x)
+    # The result has x's dtype: integers would come back truncated.
+    _validation.check_float_input(x, "swish", argument="x")
     wide = tf.float64 if x.dtype == tf.float64 else tf.float32
     beta_is_constant = isinstance(beta, numbers.Real)
     return _swish(x, tf.cast(beta, wide), with_beta_grad=not beta_is_constant)

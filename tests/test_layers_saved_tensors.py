@@ -1,0 +1,76 @@
+"""What the backward pass keeps from the forward pass, read off the graph.
+
+The memory-saving gradients keep only the layer's input (plus, for the
+normalizations, two statistics per normalized slice): no sigmoid, no
+normalized copy, no float32 copy of the input.
+"""
+
+import keras
+import pytest
+import tensorflow as tf
+
+from keras_amp_plus import layers
+
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+SHAPE = (None, 6, 8)
+
+
+def _kernel_calls(layer, compute_dtype):
+    """Return {function name: call op} of the forward/backward XLA kernels."""
+    layer.build(SHAPE)
+
+    @tf.function(input_signature=[tf.TensorSpec(SHAPE, compute_dtype)])
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = layer(x)
+        return tape.gradient(
+            outputs, [x, *layer.trainable_weights], tf.ones_like(outputs)
+        )
+
+    graph = step.get_concrete_function().graph
+    calls = {}
+    for op in graph.get_operations():
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+            name = op.get_attr("f").name
+            for kernel in ("forward", "backward"):
+                if f"_{kernel}_" in name:
+                    calls[kernel] = op
+    return graph, calls
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_swish_backward_reads_only_the_input(policy):
+    keras.config.set_dtype_policy(policy)
+    compute = keras.config.dtype_policy().compute_dtype
+    graph, calls = _kernel_calls(layers.Swish(trainable_beta=True), compute)
+    forward, backward = calls["forward"], calls["backward"]
+    assert len(forward.outputs) == 1  # no intermediates exported for backward
+    x = graph.inputs[0]
+    upstream, saved_x, beta = backward.inputs
+    assert saved_x is x and saved_x.dtype == compute
+    assert beta.shape.rank == 0 and upstream.dtype == compute
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", ["LayerNormalization", "InstanceNormalization"])
+def test_normalization_backward_keeps_input_and_statistics(name, policy):
+    keras.config.set_dtype_policy(policy)
+    compute = keras.config.dtype_policy().compute_dtype
+    graph, calls = _kernel_calls(getattr(layers, name)(), compute)
+    forward, backward = calls["forward"], calls["backward"]
+    x = graph.inputs[0]
+    # Full-size tensors read by the backward kernel: the upstream gradient and
+    # the layer's own input, in the compute dtype; the rest is per-slice
+    # statistics (shape 1 along the normalized axes) and the weights.
+    full_size = [t for t in backward.inputs if t.shape.as_list()[1:] == [6, 8]]
+    statistics = [t for t in backward.inputs if t.op is forward]
+    assert any(t is x for t in backward.inputs)
+    assert all(t.dtype == compute for t in full_size)
+    assert [t is x for t in full_size].count(True) == 1 and len(full_size) == 2
+    assert len(statistics) == 2  # mean and inverse standard deviation
+    for statistic in statistics:
+        assert statistic.dtype == "float32"
+        assert 1 in statistic.shape.as_list()[1:]
+    # The output itself is not kept.
+    assert not any(t is forward.outputs[0] for t in backward.inputs)

@@ -65,3 +65,36 @@ def test_statistics_stay_float32_under_bf16_graph_rewrite():
     assert ours < 1e-5  # float32 statistics
     # The rewrite really was on: Keras's own layer lost its float32 statistics.
     assert keras_error > 0.05
+
+
+def _max_error_on_sequences(norm_layer, length):
+    """Like `_max_error_under_rewrite`, on one (32, FEATURES) sequence.
+
+    An Einsum (ALLOW list) in front: with a rank-3 input, Dense's MatMul sits
+    behind reshapes and the rewrite left Keras's own layer float32.
+    """
+    x = _far_inputs()
+    inputs = keras.Input((length, FEATURES))
+    hidden = keras.layers.EinsumDense(
+        "abc,cd->abd", (length, FEATURES), kernel_initializer="identity"
+    )(inputs)
+    model = keras.Model(inputs, norm_layer(hidden))
+    outputs = np.asarray(tf.function(model)(tf.constant(x[None])), np.float64)
+    return np.abs(outputs[0] - _reference(x)).max()
+
+
+def test_instance_and_variable_length_statistics_stay_float32_under_rewrite():
+    with bf16_graph_rewrite():
+        # Unknown length: the padded-rows path of LayerNormalization.
+        variable = _max_error_on_sequences(layers.LayerNormalization(), None)
+        keras_variable = _max_error_on_sequences(
+            keras.layers.LayerNormalization(), None
+        )
+        # Channels on axis 1: each of the 32 rows is one channel.
+        instance = _max_error_on_sequences(layers.InstanceNormalization(axis=1), 32)
+        # (Keras's GroupNormalization kept float32 here; its LayerNormalization,
+        # the same statistics on this input, did not.)
+        keras_instance = _max_error_on_sequences(keras.layers.LayerNormalization(), 32)
+    assert variable < 1e-5 and instance < 1e-5  # float32 statistics
+    # The rewrite really was on: Keras's layers lost their float32 statistics.
+    assert keras_variable > 0.05 and keras_instance > 0.05

@@ -108,7 +108,8 @@ _FIT_SCRIPT = textwrap.dedent(
     import numpy as np, tensorflow as tf, keras
     from keras_amp_plus import layers
     inputs = keras.Input((None, 8))
-    outputs = layers.LayerNormalization()(keras.layers.Dense(8)(inputs))
+    hidden = layers.LayerNormalization()(keras.layers.Dense(8)(inputs))
+    outputs = layers.Swish(trainable_beta=True)(hidden)
     model = keras.Model(inputs, outputs)
     model.compile("sgd", "mse")
     def batches():
@@ -139,9 +140,52 @@ def test_fit_on_variable_lengths_compiles_a_bounded_number_of_kernels(tmp_path):
         check=False,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    compiled = len(list(dump.glob("*normalize*before_optimizations.txt")))
-    assert compiled > 0, "no layer-norm kernel was compiled at all"
     rows = np.arange(3, 43, 2) * 2
-    buckets = len(set(np.asarray(_row_buckets.bucket_rows(rows)).tolist()))
-    # A forward and a backward kernel per bucket, not per length (20 lengths).
-    assert compiled <= 2 * buckets < 2 * len(rows)
+    for kernel, sizes in (("normalize", rows), ("swish", rows * 8)):
+        compiled = len(list(dump.glob(f"*_{kernel}_*before_optimizations.txt")))
+        buckets = len(set(np.asarray(_row_buckets.bucket_rows(sizes)).tolist()))
+        assert compiled > 0, f"no {kernel} kernel was compiled at all"
+        # A forward and a backward kernel per bucket, not per length (20).
+        assert compiled <= 2 * buckets < 2 * len(rows), kernel
+
+
+def _swish_reference(x, upstream, beta):
+    sigmoid = 1 / (1 + np.exp(-beta * x))
+    x_grad = upstream * sigmoid * (1 + beta * x * (1 - sigmoid))
+    beta_grad = (upstream * x**2 * sigmoid * (1 - sigmoid)).sum()
+    return x * sigmoid, x_grad, beta_grad
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_variable_length_swish_matches_float64(policy):
+    keras.config.set_dtype_policy(policy)
+    compute = keras.config.dtype_policy().compute_dtype
+    layer = layers.Swish(beta=1.5, trainable_beta=True)
+    layer.build((None, None, FEATURES))
+    spec = tf.TensorSpec((None, None, FEATURES), compute)
+
+    @tf.function(input_signature=[spec, spec])
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = layer(x)
+        grads = tape.gradient(outputs, [x, layer.beta], output_gradients=upstream)
+        return outputs, grads
+
+    graph = step.get_concrete_function().graph
+    assert "Pad" in {op.type for op in graph.get_operations()}  # bucketed path
+    rng = np.random.default_rng(0)
+    for length in (3, 5):  # 96 and 160 elements: padded to 96 and 192
+        x = tf.cast(rng.normal(0.0, 4.0, (2, length, FEATURES)), compute)
+        upstream = tf.cast(rng.normal(0.0, 1.0, (2, length, FEATURES)), compute)
+        outputs, grads = step(x, upstream)
+        assert outputs.shape == (2, length, FEATURES) and outputs.dtype == compute
+        expected = _swish_reference(
+            np.asarray(tf.cast(x, "float64")),
+            np.asarray(tf.cast(upstream, "float64")),
+            1.5,
+        )
+        for actual, wanted in zip((outputs, *grads), expected, strict=True):
+            actual = np.asarray(tf.cast(actual, "float64"))
+            scale = np.abs(wanted).max()
+            np.testing.assert_allclose(actual, wanted, atol=TOLERANCE[compute] * scale)

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 from keras_amp_plus import _compat
-from keras_amp_plus.layers import _validation
+from keras_amp_plus.layers import _row_buckets, _validation
 
 
 @tf.function(jit_compile=True)
@@ -42,6 +42,12 @@ def _swish(x, beta, with_beta_grad):
 
         return _swish_forward(x, beta), grad
 
+    # XLA compiles per shape: bound the shapes of variable-length inputs.
+    # Padded zeros add nothing to beta's gradient (their upstream is zero).
+    if _row_buckets.shapes_vary(x):
+        return _row_buckets.elementwise_in_buckets(
+            lambda flat: swish_with_gradient(flat, beta), x
+        )
     return swish_with_gradient(x, beta)
 
 

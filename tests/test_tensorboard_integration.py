@@ -8,6 +8,7 @@ import time
 import urllib.parse
 import urllib.request
 
+import keras
 import pytest
 from test_amp_monitor import STEPS_PER_EPOCH, overflow_model, train
 
@@ -86,7 +87,8 @@ def wait_for_tags(port, process, run, tags):
 def test_tensorboard_serves_the_amp_run(tensorboard_server):
     log_dir, port, process = tensorboard_server
     model = overflow_model("mixed_float16")
-    train(model, [AMPMonitor(log_dir, read_every_steps=4)], epochs=3)
+    keras_tensorboard = keras.callbacks.TensorBoard(log_dir)
+    train(model, [AMPMonitor(log_dir, read_every_steps=4), keras_tensorboard], epochs=3)
 
     tags = wait_for_tags(port, process, "amp", ["amp/loss_scale", "amp/overflow/hot"])
     assert {"amp/skipped_steps", "amp/overflow_events", "amp/overflow_rate"} <= set(
@@ -109,3 +111,9 @@ def test_tensorboard_serves_the_amp_run(tensorboard_server):
     assert by_step[3 * STEPS_PER_EPOCH] == 2.0 ** (15 - STEPS_PER_EPOCH)
     text_tags = get_json(port, "/data/plugin/text/tags").get("amp", [])
     assert {"amp/lists", "amp/changes"} <= set(text_tags)
+    # The monitor's `logs` entries reach Keras's own TensorBoard callback.
+    wait_for_tags(port, process, "train", ["epoch_loss_scale", "epoch_overflow_events"])
+    keras_events = get_json(
+        port, "/data/plugin/scalars/scalars", run="train", tag="epoch_overflow_events"
+    )
+    assert [row[2] for row in keras_events] == [STEPS_PER_EPOCH, 0.0, 0.0]

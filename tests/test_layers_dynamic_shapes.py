@@ -189,20 +189,3 @@ def test_variable_length_swish_matches_float64(policy):
             actual = np.asarray(tf.cast(actual, "float64"))
             scale = np.abs(wanted).max()
             np.testing.assert_allclose(actual, wanted, atol=TOLERANCE[compute] * scale)
-
-
-def test_eager_calls_on_new_shapes_do_not_retrace_each_time():
-    # Without reduce_retracing every new shape re-traced the kernels in
-    # Python and TensorFlow warned about "excessive retracing".
-    from keras_amp_plus.layers import _fused_normalization, swish_activation
-
-    kernels = (
-        _fused_normalization._normalize_forward,
-        swish_activation._swish_forward,
-    )
-    layer, swish = layers.LayerNormalization(epsilon=0.0123), layers.Swish()
-    before = [kernel.experimental_get_tracing_count() for kernel in kernels]
-    for rows in range(1, 7):
-        swish(layer(np.ones((rows, 3, FEATURES), "float32")))
-    after = [kernel.experimental_get_tracing_count() for kernel in kernels]
-    assert all(b - a <= 2 for a, b in zip(before, after, strict=True))

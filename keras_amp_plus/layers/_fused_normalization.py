@@ -97,7 +97,7 @@ def _mean_over_axes(t, axes):
     return _sum_over_axes(t, axes) / tf.cast(_count(t, axes), t.dtype)
 
 
-@tf.function(jit_compile=True, reduce_retracing=True)
+@tf.function(jit_compile=True)
 def _normalize_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """Return (outputs, mean, inverse_stddev); statistics in float32 or wider."""
     x_wide = tf.cast(x, gamma.dtype)
@@ -109,7 +109,7 @@ def _normalize_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     return tf.cast(outputs, output_dtype), mean, inverse_stddev
 
 
-@tf.function(jit_compile=True, reduce_retracing=True)
+@tf.function(jit_compile=True)
 def _normalize_backward(
     upstream, x, mean, inverse_stddev, gamma, stat_axes, param_reduce_axes
 ):

@@ -9,7 +9,7 @@ from keras_amp_plus import _compat
 from keras_amp_plus.layers import _row_buckets, _validation
 
 
-@tf.function(jit_compile=True, reduce_retracing=True)
+@tf.function(jit_compile=True)
 def _swish_forward(x, beta):
     # XLA keeps the elementwise arithmetic in float32 registers (it widens
     # bfloat16 there anyway); only compute-dtype tensors are read or written.
@@ -17,7 +17,7 @@ def _swish_forward(x, beta):
     return tf.cast(x_wide * tf.sigmoid(beta * x_wide), x.dtype)
 
 
-@tf.function(jit_compile=True, reduce_retracing=True)
+@tf.function(jit_compile=True)
 def _swish_backward(upstream, x, beta, with_beta_grad):
     x_wide = tf.cast(x, beta.dtype)
     upstream_wide = tf.cast(upstream, beta.dtype)

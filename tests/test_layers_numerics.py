@@ -230,3 +230,60 @@ def test_sums_as_dots_match_float64(policy_name, monkeypatch):
         (1, 2),
         (1, 1, 1, 6),
     )
+
+
+# Rank-3 inputs (batch, 6, 8): statistics axes and weight shapes per layer.
+_STAT_AXES = {"LayerNormalization": (2,), "InstanceNormalization": (1,)}
+_PARAMS = {"LayerNormalization": (1, 1, 8), "InstanceNormalization": (1, 1, 8)}
+
+
+@pytest.mark.parametrize("name", ["LayerNormalization", "InstanceNormalization"])
+def test_float64_policy_keeps_float64_statistics(name):
+    _policy("float64")
+    layer = getattr(layers, name)()
+    # N(1000, 1): float32 statistics would be off by ~1e-4 here.
+    x, upstream, x64, upstream64 = _inputs((2, 6, 8), 1000.0, "float64")
+    layer.build(x.shape)
+    _set_random_weights(layer)
+    outputs, grads = _run(layer, x, upstream)
+    assert outputs.dtype == "float64" and grads[0].dtype == "float64"
+    ref = _normalization_reference(
+        x64,
+        upstream64,
+        np.reshape(_f64(layer.gamma), _PARAMS[name]),
+        np.reshape(_f64(layer.beta), _PARAMS[name]),
+        1e-3,
+        _STAT_AXES[name],
+    )
+    np.testing.assert_allclose(_f64(outputs), ref[0], atol=1e-9)
+    np.testing.assert_allclose(_f64(grads[0]), ref[1], atol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["LayerNormalization", "InstanceNormalization"])
+@pytest.mark.parametrize(
+    "center, scale", [(False, True), (True, False), (False, False)]
+)
+def test_without_center_or_scale_matches_float64(name, center, scale):
+    layer = getattr(layers, name)(center=center, scale=scale)
+    x, upstream, x64, upstream64 = _inputs((3, 5, 8), 10.0, "float32")
+    layer.build(x.shape)
+    _set_random_weights(layer)
+    ones = np.ones(_PARAMS[name])
+    gamma = np.reshape(_f64(layer.gamma), _PARAMS[name]) if scale else ones
+    beta = np.reshape(_f64(layer.beta), _PARAMS[name]) if center else 0 * ones
+    outputs, grads = _run(layer, x, upstream)
+    ref = _normalization_reference(x64, upstream64, gamma, beta, 1e-3, _STAT_AXES[name])
+    assert [w.name for w in layer.trainable_weights] == (
+        ["gamma"] * scale + ["beta"] * center
+    )
+    _assert_close(outputs, ref[0], "float32", "outputs", 16)
+    _assert_close(grads[0], ref[1], "float32", "x gradient", 16)
+    expected_weight_grads = [ref[2]] * scale + [ref[3]] * center
+    for grad, expected in zip(grads[1:], expected_weight_grads, strict=True):
+        _assert_close(
+            np.reshape(_f64(grad), _PARAMS[name]),
+            expected,
+            "float32",
+            "weight gradient",
+            64,
+        )

@@ -31,16 +31,17 @@ _BUCKET_FRACTION_BITS = 1
 
 
 def bucket_rows(rows):
-    """Return the padded row count for `rows` (an int32 tensor, any shape).
+    """Return the padded row count for `rows` (an integer tensor, any shape).
 
     The result is `rows` rounded up to a multiple of
     `2**(floor(log2(rows)) - 1)`: at most 50% larger, and one of two values
     between consecutive powers of two.
     """
-    rows = tf.maximum(tf.convert_to_tensor(rows, tf.int32), 1)
+    # int64: a flattened activation can hold more than 2**31 elements.
+    rows = tf.maximum(tf.cast(rows, tf.int64), 1)
     # + 0.5 keeps exact powers of two clear of float rounding in log2.
     octave = tf.math.floor(tf.math.log(tf.cast(rows, tf.float64) + 0.5) / math.log(2))
-    exponent = tf.maximum(tf.cast(octave, tf.int32) - _BUCKET_FRACTION_BITS, 0)
+    exponent = tf.maximum(tf.cast(octave, tf.int64) - _BUCKET_FRACTION_BITS, 0)
     step = tf.bitwise.left_shift(tf.ones_like(rows), exponent)
     return (rows + step - 1) // step * step
 
@@ -87,7 +88,7 @@ def elementwise_in_buckets(function, x):
         `function(x)` in the shape of `x`.
     """
     flat = tf.reshape(x, [-1])
-    size = tf.size(flat)
+    size = tf.size(flat, out_type=tf.int64)
     outputs = function(tf.pad(flat, [[0, bucket_rows(size) - size]]))
     outputs = tf.reshape(outputs[:size], tf.shape(x))
     outputs.set_shape(x.shape)
@@ -109,7 +110,7 @@ def normalize_in_row_buckets(normalize, x, gamma, beta, stat_axes):
     """
     features = math.prod(x.shape[axis] for axis in stat_axes)
     x_rows = tf.reshape(x, [-1, features])
-    rows = tf.shape(x_rows)[0]
+    rows = tf.shape(x_rows, out_type=tf.int64)[0]
     x_rows = tf.pad(x_rows, [[0, bucket_rows(rows) - rows], [0, 0]])
     outputs = normalize(
         x_rows,

@@ -359,6 +359,115 @@ def layer_norm_candidates(quick, reps):
     return rows
 
 
+# --- Shapes the fixed-shape table does not show ----------------------------
+
+
+def timed_pairs(pairs, reps):
+    """Interleaved CPU-time medians (ms) of {label: (ours, keras, x, up)}."""
+    for ours, theirs, x, upstream in pairs.values():  # warm up: compile
+        for step in (ours, theirs):
+            step(x, upstream)
+            step(x, upstream)
+    times = {label: ([], []) for label in pairs}
+    for _ in range(reps):
+        for label, (ours, theirs, x, upstream) in pairs.items():
+            for step, bucket in zip((ours, theirs), times[label], strict=True):
+                start = time.process_time()
+                step(x, upstream)
+                bucket.append(time.process_time() - start)
+    return {
+        label: tuple(1e3 * statistics.median(t) for t in pair)
+        for label, pair in times.items()
+    }
+
+
+def row_count_scan(quick, reps):
+    """LayerNormalization over (rows, 1024) for several row counts.
+
+    XLA emits small dots as single-threaded loops: the sums switch from
+    reductions to dots at 4M elements, and this shows both sides of it.
+    """
+    features = 128 if quick else 1024
+    row_counts = (64, 256) if quick else (256, 1000, 1536, 2048, 3000, 4096, 8192)
+    pairs = {}
+    for rows in row_counts:
+        ours, theirs = layers.LayerNormalization(), keras.layers.LayerNormalization()
+        x, upstream = random_inputs((rows, features), 0.0, seed=rows)
+        pairs[rows] = (make_step(ours), make_step(theirs), x, upstream)
+    medians = timed_pairs(pairs, reps)
+    print(f"\nLayerNormalization (rows, {features}) bfloat16, forward+backward:")
+    print(f"{'rows':>6} {'ours ms':>8} {'keras ms':>9} {'ratio':>6}")
+    result = []
+    for rows, (ours_ms, keras_ms) in medians.items():
+        print(f"{rows:6d} {ours_ms:8.1f} {keras_ms:9.1f} {ours_ms / keras_ms:6.2f}")
+        result.append(
+            {
+                "rows": rows,
+                "features": features,
+                "ours_ms": ours_ms,
+                "keras_ms": keras_ms,
+                "ratio": ours_ms / keras_ms,
+            }
+        )
+    return result
+
+
+def make_variable_length_step(layer, features):
+    """Like `make_step`, traced once for inputs of any batch size and length."""
+    spec = tf.TensorSpec((None, None, features), tf.bfloat16)
+    return tf.function(make_step(layer).python_function, input_signature=[spec, spec])
+
+
+def variable_lengths(quick, reps):
+    """Layers in a graph traced for (None, None, features) inputs.
+
+    Each length is its own XLA shape unless the layer pads it to a bucket;
+    the times are once every bucket is compiled (compilations not included).
+    """
+    features = 128 if quick else 1024
+    lengths = (5, 9) if quick else (64, 100, 150, 200, 300, 400, 512)
+    result = []
+    for name, ours, theirs in (
+        (
+            "LayerNormalization",
+            layers.LayerNormalization(),
+            keras.layers.LayerNormalization(),
+        ),
+        ("Swish", layers.Swish(), keras.layers.Activation("swish")),
+    ):
+        ours_step = make_variable_length_step(ours, features)
+        keras_step = make_variable_length_step(theirs, features)
+        pairs = {
+            length: (
+                ours_step,
+                keras_step,
+                *random_inputs((8, length, features), 0.0, seed=length),
+            )
+            for length in lengths
+        }
+        medians = timed_pairs(pairs, reps)
+        ours_ms = sum(m[0] for m in medians.values())
+        keras_ms = sum(m[1] for m in medians.values())
+        result.append(
+            {
+                "layer": name,
+                "shape": f"(8, length, {features})",
+                "lengths": list(lengths),
+                "ours_ms": ours_ms,
+                "keras_ms": keras_ms,
+                "ratio": ours_ms / keras_ms,
+            }
+        )
+    print("\nVariable length (8, L, features) bfloat16, sum over lengths of the")
+    print("median forward+backward time, graph traced once for (None, None, F):")
+    for r in result:
+        print(
+            f"{r['layer']:<20} {r['ours_ms']:8.1f} {r['keras_ms']:9.1f} "
+            f"{r['ratio']:6.2f}  lengths {r['lengths']}"
+        )
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, 2 reps")
@@ -375,6 +484,8 @@ def main():
         rows = [run_case(case, reps) for case in cases(args.quick)]
         print_table(rows)
         candidates = layer_norm_candidates(args.quick, reps)
+        scan = row_count_scan(args.quick, reps)
+        variable = variable_lengths(args.quick, reps)
     finally:
         keras.config.set_dtype_policy(policy)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -389,7 +500,14 @@ def main():
     }
     output.write_text(
         json.dumps(
-            {"meta": meta, "rows": rows, "layer_norm_candidates": candidates}, indent=2
+            {
+                "meta": meta,
+                "rows": rows,
+                "layer_norm_candidates": candidates,
+                "layer_norm_row_scan": scan,
+                "variable_lengths": variable,
+            },
+            indent=2,
         )
         + "\n"
     )

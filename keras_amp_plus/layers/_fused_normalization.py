@@ -20,8 +20,8 @@ same with this custom gradient 0.67x; XLA with autodiff 0.43x; XLA with this
 custom gradient and the sums as dots (below) 0.21x. The dots only pay from
 about 4M elements on: below that XLA emits them as single-threaded loops
 (0.94-1.27x of Keras's layer at 1.5M-3M elements), so there the sums stay
-reductions (0.51-0.66x from 0.26M to 3.6M elements, 0.9x at (64, 1024), where
-XLA's fixed cost per call of ~0.2 ms dominates). One-pass statistics
+reductions (0.41-0.64x from 0.26M to 3M elements in the benchmark's row scan;
+at (64, 1024) XLA's fixed cost per call of ~0.2 ms dominates: 0.9x). One-pass statistics
 (E[x^2] - E[x]^2) were as fast and failed on N(1000, 1) inputs, so the mean is
 subtracted before the variance is taken.
 """
@@ -37,10 +37,11 @@ def statistics_dtype(dtype: tf.DType) -> tf.DType:
 
 
 # Below this many elements XLA's CPU backend emits a (rows, n) x (n, 1) dot as
-# its own single-threaded loop, slower than the plain reduction: measured on
+# its own single-threaded loop, slower than the plain reduction: on
 # (rows, 1024) bfloat16 layer norms, forward + backward, relative to Keras's
-# layer, dot 0.94-1.27x at 1536-3000 rows and 0.25x at 4096 rows; reduction
-# 0.51-0.66x at 1000-4096 rows.
+# layer, dots measured 0.94-1.27x at 1536-3000 rows and 0.25x at 4096 rows.
+# With this switch `benchmarks/layers.py` (row scan) measured 0.41-0.64x from
+# 256 to 3000 rows and 0.20-0.21x at 4096 and 8192 rows.
 _DOT_SUM_MIN_ELEMENTS = 2**22
 
 

@@ -12,8 +12,9 @@ kernels, 300 steps 24. The padded rows normalize to `beta` and are sliced off;
 their upstream gradient is zero, so they add nothing to the weight gradients.
 `Swish` pads its flattened input the same way (20 lengths: 40 kernels before).
 The padding and slicing cost copies: on (8, 64..512, 1024) bfloat16 inputs,
-forward + backward took 0.72x the CPU time of Keras's layer once compiled,
-against 0.50x for exact shapes (whose compilations never stop).
+forward + backward took 0.58x the CPU time of Keras's layer once compiled
+(Swish: 0.68x; `benchmarks/layers.py`, variable length), against 0.50x for
+exact shapes (whose compilations never stop) in a scratch run.
 """
 
 import math

@@ -98,7 +98,9 @@ class Swish(keras.layers.Layer):
     Inside each fused XLA kernel the arithmetic runs in float32 registers (XLA
     widens bfloat16 there anyway), so each result is rounded once. The
     gradient recomputes the sigmoid instead of storing it, so a training step
-    keeps no more than `Activation("swish")` does. With
+    keeps no more than `Activation("swish")` does. XLA compiles a kernel per
+    input shape, so inputs whose length changes from batch to batch are padded
+    to one of two sizes per power of two (bounded compilations). With
     `trainable_beta=True`, `beta` is one trainable float32 weight (Swish-beta)
     initialized to `beta`.
 

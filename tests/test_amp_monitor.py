@@ -281,3 +281,33 @@ def test_a_denied_layer_earns_low_precision_back(tmp_path):
     ]
     assert monitor.lists.allow_layers == ("hot",) and monitor.lists.deny_layers == ()
     assert model.get_layer("hot").compute_dtype == "float16"
+
+
+class CustomStepModel(keras.Model):
+    """A `train_step` that computes its loss without `compute_loss`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = keras.ops.cast(self(x, training=True), "float32")
+            loss = keras.ops.mean(keras.ops.square(y_pred - y))
+            scaled = self.optimizer.scale_loss(loss)
+        gradients = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_custom_train_step_forward_overflow_is_still_replayed(tmp_path):
+    # The loss is not seen by the monitor; all gradients non-finite on every
+    # event makes it replay the batch, which names `hot`.
+    reference = overflow_model("mixed_float16")
+    model = CustomStepModel(reference.inputs, reference.outputs)
+    model.compile(LossScaleOptimizer(keras.optimizers.Adam(0.1)))
+    monitor = AMPMonitor(str(tmp_path), read_every_steps=4)
+    history = train(model, [monitor], epochs=2)
+    assert history.history["overflow_events"] == [STEPS_PER_EPOCH, 0]
+    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    assert {(tuple(e["layers"]), e["direction"]) for e in events} == {
+        (("hot",), "forward")
+    }
+    assert monitor.lists.deny_layers == ("hot",)

@@ -91,6 +91,17 @@ class EventCollector:
             }
         return step, self._replayed[step]
 
+    def _unwatched_forward(self, event, detail):
+        """Return True for a possible forward overflow the loss did not show.
+
+        Only when the loss was not watched (a custom `train_step`) and every
+        gradient was non-finite; the replay then confirms it or finds nothing.
+        """
+        if self.recorder.loss_watched or detail is None:
+            return False
+        tracked = self.recorder.optimizer.tracked_variable_paths()
+        return bool(tracked) and set(detail["variables"]) == set(tracked)
+
     def _attribute(self, event, detail, epoch):
         implicated = []
         kind = "nan" if event["loss_has_nan"] else "inf"
@@ -108,8 +119,10 @@ class EventCollector:
             "kind": kind,
             "implicated_layers": implicated,
         }
-        if event["loss_nonfinite"]:
+        culprit = None
+        if event["loss_nonfinite"] or self._unwatched_forward(event, detail):
             step, culprit = self._forward_culprit()
+        if culprit is not None and (event["loss_nonfinite"] or culprit["layer"]):
             record["direction"] = "forward"
             record["layers"] = [culprit["layer"]] if culprit["layer"] else []
             record["evidence"] = f"replay of step {step}: {culprit['reason']}"

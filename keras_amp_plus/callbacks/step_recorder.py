@@ -66,6 +66,7 @@ class StepRecorder:
         self._stash_structure = None
         self._captured_losses = None
         self._saved_attributes = {}
+        self.loss_watched = True
 
     # -- installing the wrappers -------------------------------------------------
     def install(self) -> None:
@@ -124,6 +125,9 @@ class StepRecorder:
         return tf.identity(tf.cast(self.optimizer.dynamic_scale, tf.float32))
 
     def _record_step(self, data, scale_before, losses):
+        # A custom `train_step` may compute its loss without `compute_loss`:
+        # then the loss is not watched and every event's batch is kept.
+        self.loss_watched = bool(losses)
         loss_nonfinite = tf.constant(False)
         loss_has_nan = tf.constant(False)
         for loss in losses:
@@ -152,7 +156,8 @@ class StepRecorder:
             self.scales_after[slot].assign(scale_after)
             self.loss_nonfinite[slot].assign(tf.cast(loss_nonfinite, tf.int64))
             self.loss_has_nan[slot].assign(tf.cast(loss_has_nan, tf.int64))
-            tf.cond(loss_nonfinite, stash, lambda: tf.constant(0))
+            keep = loss_nonfinite if self.loss_watched else tf.constant(True)
+            tf.cond(keep, stash, lambda: tf.constant(0))
             self.event_count.assign_add(1)
             return tf.constant(0)
 

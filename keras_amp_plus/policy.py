@@ -19,64 +19,13 @@ Two levels, one object:
 import dataclasses
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 
-from keras_amp_plus.engines import layer_matching, op_types
+from keras_amp_plus import policy_checks
+from keras_amp_plus.engines import env_lists, layer_matching
 
 LAYER_FIELDS = ("allow_layers", "deny_layers")
 OP_FIELDS = ("allow_ops", "infer_ops", "clear_ops", "deny_ops")
-_ENV_PREFIXES = (
-    "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_",
-    "ITEX_AUTO_MIXED_PRECISION_",
-)
-
-
-def _as_names(value, field: str) -> tuple:
-    """Normalize a str or an iterable of str to a tuple without duplicates."""
-    if isinstance(value, str):
-        value = (value,)
-    if not isinstance(value, Iterable):
-        raise TypeError(
-            f"`{field}` must be a tuple of strings. Received: {field}={value!r}"
-        )
-    names = []
-    for name in value:
-        if not isinstance(name, str) or not name.strip():
-            raise TypeError(
-                f"`{field}` must hold non-empty strings. Received: {field}={value!r}"
-            )
-        names.append(name.strip())
-    return tuple(dict.fromkeys(names))
-
-
-def _check_disjoint(lists, fields) -> None:
-    """Raise ValueError when a name sits in two lists of the same level."""
-    seen = {}
-    for field in fields:
-        for name in getattr(lists, field):
-            if name in seen:
-                raise ValueError(
-                    f"{name!r} is in both `{seen[name]}` and `{field}`; a name "
-                    "can be in one list only. Use `move_layers` / `move_ops` to "
-                    f"move it. Received: {seen[name]}="
-                    f"{getattr(lists, seen[name])!r}, {field}="
-                    f"{getattr(lists, field)!r}"
-                )
-            seen[name] = field
-
-
-def _check_regexes(entries, field: str) -> None:
-    for entry in entries:
-        try:
-            re.compile(entry)
-        except re.error as error:
-            raise ValueError(
-                f"`{field}` entry {entry!r} is not a valid regular expression "
-                f"({error}). Layer entries are names, paths, class names or "
-                "regular expressions; escape special characters with "
-                f"`re.escape`. Received: {field}={entries!r}"
-            ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,13 +59,9 @@ class PrecisionLists:
 
     def __post_init__(self):
         for field in LAYER_FIELDS + OP_FIELDS:
-            object.__setattr__(self, field, _as_names(getattr(self, field), field))
-        _check_disjoint(self, LAYER_FIELDS)
-        _check_disjoint(self, OP_FIELDS)
-        for field in LAYER_FIELDS:
-            _check_regexes(getattr(self, field), field)
-        for field in OP_FIELDS:
-            op_types.check_op_types(getattr(self, field), field)
+            names = policy_checks.as_names(getattr(self, field), field)
+            object.__setattr__(self, field, names)
+        policy_checks.check_lists(self, LAYER_FIELDS, OP_FIELDS)
 
     def replace(self, **changes) -> "PrecisionLists":
         """Return a copy with some fields replaced (validated like the original)."""
@@ -127,7 +72,7 @@ class PrecisionLists:
         if target not in fields:
             choices = [field.split("_")[0] for field in fields]
             raise ValueError(f"`to` must be one of {choices}. Received: to={to!r}")
-        names = _as_names(names, "names")
+        names = policy_checks.as_names(names, "names")
         changes = {
             field: tuple(n for n in getattr(self, field) if n not in names)
             for field in fields
@@ -136,14 +81,30 @@ class PrecisionLists:
         return self.replace(**changes)
 
     def move_layers(self, names: Iterable[str] | str, to: str) -> "PrecisionLists":
-        """Return new lists with `names` in the `to` layer list ("allow"/"deny")."""
+        """Return new lists with `names` in the `to` layer list.
+
+        The names leave the other layer list; `self` is unchanged.
+
+        Args:
+            names: a layer entry or an iterable of them (names, paths, class
+                names or regular expressions).
+            to: "allow" or "deny".
+
+        Example:
+        >>> lists = PrecisionLists(allow_layers=("head",))
+        >>> lists.move_layers("head", to="deny").deny_layers
+        ('head',)
+        """
         return self._move(names, to, "layers", LAYER_FIELDS)
 
     def move_ops(self, op_types: Iterable[str] | str, to: str) -> "PrecisionLists":
         """Return new lists with `op_types` in the `to` op list.
 
-        `to` is "allow", "infer", "clear" or "deny"; the op types leave every
-        other op list.
+        The op types leave every other op list; `self` is unchanged.
+
+        Args:
+            op_types: a TF op type or an iterable of them.
+            to: "allow", "infer", "clear" or "deny".
         """
         return self._move(op_types, to, "ops", OP_FIELDS)
 
@@ -167,6 +128,9 @@ class PrecisionLists:
         Raises ValueError, naming close layer names, for an entry that matches
         no layer.
 
+        Args:
+            model: the Keras model the entries refer to.
+
         Returns:
             `{entry: [layer, ...]}` for the allow then the deny entries.
         """
@@ -178,6 +142,9 @@ class PrecisionLists:
 
     def diff(self, other: "PrecisionLists") -> list[dict]:
         """List the moves that turn `self` into `other`.
+
+        Args:
+            other: the later `PrecisionLists`.
 
         Returns:
             `[{"kind": "layer" | "op", "name", "from", "to"}]`, where "from" and
@@ -202,7 +169,11 @@ class PrecisionLists:
         """Return the lists as a markdown table (for TensorBoard text)."""
         rows = ["| list | entries |", "| --- | --- |"]
         for field in LAYER_FIELDS + OP_FIELDS:
-            entries = ", ".join(f"`{n}`" for n in getattr(self, field)) or "-"
+            # A regex alternation ("a|b") would end the table cell early.
+            entries = ", ".join(
+                f"`{name}`".replace("|", "\\|") for name in getattr(self, field)
+            )
+            entries = entries or "-"
             rows.append(f"| {field} | {entries} |")
         return "\n".join(rows)
 
@@ -212,7 +183,11 @@ class PrecisionLists:
 
     @classmethod
     def from_config(cls, config: Mapping) -> "PrecisionLists":
-        """Rebuild lists from `get_config()`; unknown keys raise ValueError."""
+        """Rebuild lists from `get_config()`; unknown keys raise ValueError.
+
+        Args:
+            config: a dict as returned by `get_config()`.
+        """
         unknown = sorted(set(config) - set(LAYER_FIELDS + OP_FIELDS))
         if unknown:
             raise ValueError(
@@ -227,33 +202,42 @@ class PrecisionLists:
 
     @classmethod
     def from_json(cls, text: str) -> "PrecisionLists":
-        """Rebuild lists from `to_json()`."""
+        """Rebuild lists from `to_json()`.
+
+        Args:
+            text: a JSON string as returned by `to_json()`.
+        """
         return cls.from_config(json.loads(text))
 
     @classmethod
     def from_env(cls, environ: Mapping | None = None) -> "PrecisionLists":
         """Read the op lists users already set for grappler or ITEX.
 
-        Reads the `*_ADD` variables `TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_
-        {ALLOWLIST,INFERLIST,CLEARLIST,DENYLIST}_ADD` and
-        `ITEX_AUTO_MIXED_PRECISION_{...}_ADD` (comma-separated op types). The
-        `*_REMOVE` variables have no list of their own here; graph engines keep
-        them in effect, since they start from the environment they find.
+        An op type in `TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_<LIST>_ADD` or
+        `ITEX_AUTO_MIXED_PRECISION_<LIST>_ADD` (`<LIST>` one of ALLOWLIST,
+        INFERLIST, CLEARLIST, DENYLIST; comma-separated op types) goes to that
+        op list, unless the matching `_REMOVE` variable takes it out again. A
+        `_REMOVE` entry with no ADD to another list puts the op type in no list,
+        which `PrecisionLists` cannot hold: it is not in the result (nor in its
+        JSON), a UserWarning names it, and the graph engines still honour the
+        variable since they start from the environment they find.
 
         Args:
             environ: mapping to read instead of `os.environ`. Defaults to None.
+
+        Returns:
+            A `PrecisionLists` with op lists only.
+
+        Example:
+        >>> env = {"TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD": "Mean"}
+        >>> PrecisionLists.from_env(env).deny_ops
+        ('Mean',)
         """
         environ = os.environ if environ is None else environ
-        ops, read = {field: [] for field in OP_FIELDS}, {}
-        for field in OP_FIELDS:
-            list_name = field.split("_")[0].upper() + "LIST_ADD"
-            for prefix in _ENV_PREFIXES:
-                value = environ.get(prefix + list_name, "")
-                if value:
-                    read[prefix + list_name] = value
-                ops[field].extend(n.strip() for n in value.split(",") if n.strip())
+        placed, read, unrepresented = env_lists.read_env_lists(environ)
+        env_lists.warn_unrepresented(unrepresented)
         try:
-            return cls(**ops)
+            return cls(**{f"{name}_ops": ops for name, ops in placed.items()})
         except ValueError as error:
             raise ValueError(
                 f"The mixed-precision list variables in the environment are "

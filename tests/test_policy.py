@@ -92,7 +92,10 @@ def test_from_env_reads_tf_and_itex_variables(monkeypatch):
         "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD", "Mean, Rsqrt"
     )
     monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_ADD", "Einsum")
-    monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_REMOVE", "X")
+    # A move (REMOVE from allow, ADD to deny) is said by the ADD: no warning.
+    monkeypatch.setenv(
+        "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_REMOVE", "Rsqrt"
+    )
     monkeypatch.setenv("ITEX_AUTO_MIXED_PRECISION_DENYLIST_ADD", "Softmax,Mean")
     monkeypatch.setenv("ITEX_AUTO_MIXED_PRECISION_CLEARLIST_ADD", "Reshape")
     monkeypatch.delenv("ITEX_AUTO_MIXED_PRECISION_INFERLIST_ADD", raising=False)
@@ -105,6 +108,27 @@ def test_from_env_reads_tf_and_itex_variables(monkeypatch):
     assert lists.clear_ops == ("Reshape",)
     assert lists.infer_ops == ()
     assert lists.allow_layers == lists.deny_layers == ()
+
+
+def test_from_env_warns_about_removes_it_cannot_hold():
+    environ = {
+        # Tanh leaves INFER for no list: PrecisionLists has no such entry.
+        "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_INFERLIST_REMOVE": "Mean,Tanh",
+        "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD": "Mean",
+        # ADD and REMOVE on the same list: the REMOVE wins, as in TF and ITEX.
+        "ITEX_AUTO_MIXED_PRECISION_CLEARLIST_ADD": "Reshape,Softmax",
+        "ITEX_AUTO_MIXED_PRECISION_CLEARLIST_REMOVE": "Softmax",
+    }
+    with pytest.warns(UserWarning, match=r"no 'in no list' entry") as record:
+        lists = PrecisionLists.from_env(environ)
+    assert lists.deny_ops == ("Mean",)
+    assert lists.clear_ops == ("Reshape",)
+    assert lists.infer_ops == ()
+    message = str(record[0].message)
+    assert (
+        "Received: {'TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_INFERLIST_REMOVE': "
+        "['Tanh'], 'ITEX_AUTO_MIXED_PRECISION_CLEARLIST_REMOVE': ['Softmax']}"
+    ) in message
 
 
 def test_from_env_with_an_explicit_mapping_and_a_conflict():
@@ -180,6 +204,9 @@ def test_to_markdown_has_one_row_per_list():
     assert "| allow_ops | `MatMul` |" in lines
     assert len(lines) == 2 + 6
     assert "| clear_ops | - |" in PrecisionLists().to_markdown()
+    # A regex alternation must not end the table cell.
+    row = PrecisionLists(deny_layers=("d1|d2",)).to_markdown().splitlines()[3]
+    assert row == r"| deny_layers | `d1\|d2` |"
 
 
 def _nested_model():

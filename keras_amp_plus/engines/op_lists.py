@@ -23,7 +23,8 @@ FIELD_NAMES = tuple(
 )
 
 
-def _split(value) -> list:
+def split_op_types(value) -> list:
+    """Return the op types of a comma-separated string (None or "" -> [])."""
     return [name.strip() for name in (value or "").split(",") if name.strip()]
 
 
@@ -47,7 +48,7 @@ def merge_list_fields(base, placements) -> dict:
     >>> fields["denylist_add"], fields["allowlist_remove"]
     ('Pow,MatMul', 'MatMul')
     """
-    fields = {field: _split(base.get(field)) for field in FIELD_NAMES}
+    fields = {field: split_op_types(base.get(field)) for field in FIELD_NAMES}
     for op_type, target in placements.items():
         if target not in LIST_NAMES:
             raise ValueError(

@@ -9,7 +9,10 @@ when nothing was converted) into `*_AUTO_MIXED_PRECISION_*_LOG_PATH`, plus
 `paintbuckets_*.txt` (the final lists). A node counts as converted when its
 `T`/`dtype` attribute is bfloat16 (or float16) after the rewrite but was not
 before; Cast nodes the rewrite inserted (named `...-CastToBf16-...
--AutoMixedPrecision`) are counted apart.
+-AutoMixedPrecision`) are counted apart. A function with a `preop` dump and no
+rewritten one was optimized and converted nothing: it is reported with zero
+converted nodes (not left out, which would hide a train function whose lists
+now deny everything behind "no train function seen").
 """
 
 import collections
@@ -26,7 +29,7 @@ from keras_amp_plus.engines.resolve import ENGINE_NAMES, auto_engine_name
 
 ITEX_LOG_PATH_VARIABLE = "ITEX_AUTO_MIXED_PRECISION_LOG_PATH"
 _DUMP_NAME = re.compile(
-    r"graphdef_AutoMixedPrecision_(?P<function>.+)_(?P<stamp>\d+)\.pb"
+    r"graphdef_(?P<stage>AutoMixedPrecision|preop)_(?P<function>.+)_(?P<stamp>\d+)\.pb"
 )
 _LOW_PRECISION = {tf.bfloat16.as_datatype_enum, tf.float16.as_datatype_enum}
 _TYPE_ATTRIBUTES = ("T", "dtype")
@@ -60,19 +63,39 @@ def _read_paint_buckets(path: str) -> dict:
     return buckets
 
 
+def _record(path: str, graph, converted, casts_inserted: int, lists) -> dict:
+    match = _DUMP_NAME.fullmatch(os.path.basename(path))
+    return {
+        "function": match["function"],
+        "file": path,
+        "stamp": int(match["stamp"]),
+        "is_train": any("gradient_tape/" in node.name for node in graph.node),
+        "num_nodes": len(graph.node),
+        "num_converted": sum(converted.values()),
+        "converted_by_op": dict(sorted(converted.items())),
+        "num_casts_inserted": casts_inserted,
+        "lists": lists,
+    }
+
+
 def summarize_dump(path: str) -> dict:
-    """Count what one rewritten graph converted.
+    """Count what one optimized function's rewrite converted.
 
     Args:
-        path: a `graphdef_AutoMixedPrecision_*.pb` file.
+        path: a `graphdef_AutoMixedPrecision_*.pb` file, or a
+            `graphdef_preop_*.pb` file the rewrite wrote alone (then nothing
+            was converted).
 
     Returns:
-        `{"function", "file", "is_train", "num_nodes", "num_converted",
-        "converted_by_op", "num_casts_inserted", "lists"}`.
+        `{"function", "file", "stamp", "is_train", "num_nodes",
+        "num_converted", "converted_by_op", "num_casts_inserted", "lists"}`;
+        `stamp` orders the dumps in time, `lists` is the final ALLOW/INFER/
+        CLEAR/DENY lists from `paintbuckets_*.txt` (empty when absent).
     """
     directory, name = os.path.split(path)
-    match = _DUMP_NAME.fullmatch(name)
     after = _read_graph(path)
+    if _DUMP_NAME.fullmatch(name)["stage"] == "preop":
+        return _record(path, after, collections.Counter(), 0, {})
     preop = os.path.join(directory, name.replace("_AutoMixedPrecision_", "_preop_"))
     already_low = set()
     if os.path.exists(preop):
@@ -84,32 +107,37 @@ def summarize_dump(path: str) -> dict:
         elif _is_low_precision(node) and node.name not in already_low:
             converted[node.op] += 1
     buckets = os.path.join(directory, "paintbuckets" + name[len("graphdef") : -3])
-    return {
-        "function": match["function"],
-        "file": path,
-        "stamp": int(match["stamp"]),
-        "is_train": any("gradient_tape/" in node.name for node in after.node),
-        "num_nodes": len(after.node),
-        "num_converted": sum(converted.values()),
-        "converted_by_op": dict(sorted(converted.items())),
-        "num_casts_inserted": casts_inserted,
-        "lists": _read_paint_buckets(buckets + ".txt")
-        if os.path.exists(buckets + ".txt")
-        else {},
-    }
+    lists = {}
+    if os.path.exists(buckets + ".txt"):
+        lists = _read_paint_buckets(buckets + ".txt")
+    return _record(path, after, converted, casts_inserted, lists)
 
 
 def read_rewrite_dump(dump_dir: str) -> dict:
-    """Summarize every rewritten function in a graph-dump directory.
+    """Summarize every function the rewrite optimized in a graph-dump directory.
+
+    Args:
+        dump_dir: the directory `*_LOG_PATH` pointed at.
 
     Returns:
-        `{"dump_dir", "functions": [...], "train": <latest train function or
-        None>}`; a function whose rewrite converted nothing has no dump, so an
-        empty `functions` means nothing was converted.
+        `{"dump_dir", "functions": [...], "train": <the latest train function
+        or None>}`, functions in the order they were optimized, each as
+        returned by `summarize_dump` (zero converted nodes when the rewrite
+        wrote only the graph before it).
     """
-    pattern = os.path.join(glob.escape(dump_dir), "graphdef_AutoMixedPrecision_*.pb")
+    escaped = glob.escape(dump_dir)
+    rewritten = glob.glob(os.path.join(escaped, "graphdef_AutoMixedPrecision_*.pb"))
+    done = {
+        os.path.basename(p).replace("_AutoMixedPrecision_", "_preop_")
+        for p in rewritten
+    }
+    untouched = [
+        path
+        for path in glob.glob(os.path.join(escaped, "graphdef_preop_*.pb"))
+        if os.path.basename(path) not in done
+    ]
     functions = sorted(
-        (summarize_dump(path) for path in glob.glob(pattern)),
+        (summarize_dump(path) for path in rewritten + untouched),
         key=lambda record: record["stamp"],
     )
     trains = [record for record in functions if record["is_train"]]

@@ -92,7 +92,12 @@ def test_graph_counts_match_a_known_function(tmp_path):
     os.environ[DENY_ADD] = "MatMul"
     os.environ[ALLOW_REMOVE] = "MatMul"
     matmul_relu = tf.function(matmul_relu.python_function)  # a fresh trace
-    assert _run_rewritten(tmp_path / "deny", matmul_relu)["functions"] == []
+    # Optimized but nothing converted: only the `preop` graph is written, and
+    # the function is still reported, with zero converted nodes.
+    (record,) = _run_rewritten(tmp_path / "deny", matmul_relu)["functions"]
+    assert "graphdef_preop_" in record["file"]
+    assert record["num_converted"] == record["num_casts_inserted"] == 0
+    assert record["converted_by_op"] == {} and record["lists"] == {}
 
 
 def test_nodes_already_in_bfloat16_are_not_counted(tmp_path):

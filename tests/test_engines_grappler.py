@@ -1,3 +1,4 @@
+import gc
 import os
 
 import keras
@@ -61,7 +62,7 @@ def _fit_one_step(model):
 
 def _converted(model, engine):
     train = precision_report(model, engine)["graph"]["train"]
-    return train["converted_by_op"], train["lists"]
+    return train["converted_by_op"], train["lists"], train["num_converted"]
 
 
 @pytest.mark.parametrize(
@@ -74,15 +75,16 @@ def test_denying_matmul_changes_the_converted_nodes(lists, tmp_path):
     engine = GrapplerEngine(log_dir=str(tmp_path))
     engine.apply(model, PrecisionLists())
     _fit_one_step(model)
-    before, _ = _converted(model, engine)
+    before, _, total_before = _converted(model, engine)
     # Two Dense layers: one forward MatMul and two gradient MatMuls each.
     assert before["MatMul"] == 6
     assert before["Conv2D"] == before["Conv2DBackpropFilter"] == 1
 
     engine.apply(model, lists)  # rebuilds the train function: no manual retrace
     history = _fit_one_step(model)
-    after, paint_buckets = _converted(model, engine)
+    after, paint_buckets, total_after = _converted(model, engine)
     assert "MatMul" not in after
+    assert total_after <= total_before - 6
     assert after["Conv2D"] == after["Conv2DBackpropFilter"] == 1
     assert "MatMul" in paint_buckets["deny"]
     assert "MatMul" not in paint_buckets["allow"]
@@ -189,3 +191,95 @@ def test_apply_between_epochs_takes_effect_in_the_next_epoch(tmp_path):
     assert epoch_1["graph"]["train"]["converted_by_op"]["MatMul"] == 6
     assert "MatMul" not in epoch_2["graph"]["train"]["converted_by_op"]
     engine.restore()
+
+
+def _global_state():
+    environment = {name: os.environ.get(name) for name in TOUCHED_VARIABLES}
+    return environment, tf.config.optimizer.get_experimental_options()
+
+
+def test_an_unusable_log_dir_raises_before_any_global_change(tmp_path):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    before = _global_state()
+    engine = GrapplerEngine(log_dir=str(not_a_directory))
+    with pytest.raises(ValueError) as info:
+        engine.apply(_model(), PrecisionLists(deny_ops=("MatMul",)))
+    assert "cannot create its graph-dump directory" in str(info.value)
+    assert f"Received: log_dir={str(not_a_directory)!r}" in str(info.value)
+    assert _global_state() == before
+    assert engine.dump_dir is None
+
+
+class _TestFunctionFails(keras.Sequential):
+    """A model whose test function cannot be rebuilt (fails after the env change)."""
+
+    fail = False
+
+    def make_test_function(self, force=False):
+        if self.fail:
+            raise RuntimeError("cannot rebuild the test function")
+        return super().make_test_function(force)
+
+
+def test_a_failing_apply_puts_the_global_state_back(tmp_path):
+    model = _TestFunctionFails([keras.Input((4,)), keras.layers.Dense(2)], name="m")
+    model.compile(optimizer="sgd", loss="mse")
+    model.evaluate(np.ones((4, 4)), np.ones((4, 2)), verbose=0)  # a test function
+    original = _global_state()
+    engine = GrapplerEngine(log_dir=str(tmp_path))
+    model.fail = True
+    with pytest.raises(RuntimeError, match="cannot rebuild"):
+        engine.apply(model, PrecisionLists(deny_ops=("MatMul",)))
+    assert _global_state() == original
+    engine.restore()  # nothing was applied: nothing to restore
+    assert _global_state() == original
+
+    model.fail = False
+    engine.apply(model, PrecisionLists(deny_ops=("MatMul",)))
+    applied, first_dump = _global_state(), engine.dump_dir
+    model.fail = True
+    with pytest.raises(RuntimeError, match="cannot rebuild"):
+        engine.apply(model, PrecisionLists(deny_ops=("Conv2D",)))
+    assert _global_state() == applied  # back to the last successful apply
+    assert engine.dump_dir == first_dump
+    model.fail = False
+    engine.restore()
+    assert _global_state() == original
+
+
+def test_a_reused_log_dir_never_mixes_runs(tmp_path):
+    model = _model()
+    first = GrapplerEngine(log_dir=str(tmp_path))
+    first.apply(model, PrecisionLists())
+    _fit_one_step(model)
+    first.restore()
+    assert precision_report(model, first)["graph"]["train"]["num_converted"] > 0
+
+    # A second run in the same directory: its dumps go to a new subdirectory,
+    # and a train function whose rewrite converts nothing reads as 0, not as
+    # the first run's counts.
+    model = _model()
+    second = GrapplerEngine(log_dir=str(tmp_path))
+    everything = ("MatMul", "Conv2D", "Conv2DBackpropFilter", "Conv2DBackpropInput")
+    second.apply(model, PrecisionLists(deny_ops=everything))
+    _fit_one_step(model)
+    assert second.dump_dir == str(tmp_path / "apply_002")
+    train = precision_report(model, second)["graph"]["train"]
+    assert train["is_train"] is True
+    assert train["num_converted"] == 0 and train["converted_by_op"] == {}
+    second.restore()
+
+
+def test_an_own_temporary_dump_dir_is_pruned_and_deleted(monkeypatch):
+    monkeypatch.delenv(LOG_PATH_VARIABLE, raising=False)
+    model = _model()
+    engine = GrapplerEngine()
+    for deny in ("MatMul", "Conv2D", "BiasAdd"):
+        engine.apply(model, PrecisionLists(deny_ops=(deny,)))
+    log_dir = engine.log_dir
+    assert sorted(os.listdir(log_dir)) == ["apply_002", "apply_003"]
+    engine.restore()
+    del engine
+    gc.collect()
+    assert not os.path.exists(log_dir)

@@ -9,13 +9,19 @@ function, so after a change the model's functions are rebuilt.
 Each `apply` also points `TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LOG_PATH` at a
 fresh directory (`dump_dir`), where grappler writes the graphs before and after
 the rewrite; `keras_amp_plus.precision_report` counts the converted nodes there.
+Grappler writes four files per optimized function (a train function's can be
+megabytes), so a temporary directory the engine made keeps the last few
+applies only and is deleted with the engine.
 
 The option and the variables are process-global: `restore()` puts back exactly
 what was there before the first `apply` (unset variables are unset again).
 """
 
 import os
+import re
+import shutil
 import tempfile
+import weakref
 
 import tensorflow as tf
 
@@ -44,10 +50,14 @@ class GrapplerEngine(Engine):
     """Apply op lists (and translated layer lists) through grappler.
 
     Args:
-        log_dir: directory under which each `apply` gets a graph-dump
-            subdirectory. Defaults to None: the user's
-            `TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LOG_PATH` if set, else a new
-            temporary directory (kept, so reports can be read after training).
+        log_dir: directory under which each `apply` gets a new graph-dump
+            subdirectory (`apply_001`, ...; numbers already taken are skipped,
+            so an old run's dumps are never read as this run's). Defaults to
+            None: the user's `TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LOG_PATH`
+            if set, else a temporary directory owned by the engine, which
+            keeps the dumps of the last `KEPT_DUMPS` applies only and is
+            deleted when the engine is garbage-collected or Python exits.
+            Dumps in a directory you chose are yours to delete.
         dump_graphs: whether to dump the rewritten graphs (needed by
             `precision_report`). Defaults to True.
 
@@ -65,6 +75,7 @@ class GrapplerEngine(Engine):
 
     name = "grappler"
     level = "op"
+    KEPT_DUMPS = 2  # the current apply and the one before, to compare them
 
     def __init__(self, log_dir: str | None = None, dump_graphs: bool = True):
         self.log_dir = log_dir
@@ -73,57 +84,101 @@ class GrapplerEngine(Engine):
         self._saved_environment = None
         self._saved_options = None
         self._model = None
-        self._num_applies = 0
+        self._owns_log_dir = False
 
-    def _save_global_state(self) -> None:
-        if self._saved_environment is None:
-            self._saved_environment = {v: os.environ.get(v) for v in TOUCHED_VARIABLES}
-            self._saved_options = tf.config.optimizer.get_experimental_options()
+    def _current_state(self) -> tuple:
+        environment = {v: os.environ.get(v) for v in TOUCHED_VARIABLES}
+        return environment, tf.config.optimizer.get_experimental_options()
 
-    def _next_dump_dir(self) -> str:
-        if self.log_dir is None:
-            self.log_dir = self._saved_environment[LOG_PATH_VARIABLE] or (
-                tempfile.mkdtemp(prefix="keras_amp_plus_grappler_")
+    @staticmethod
+    def _put_back(environment, options) -> None:
+        for variable, value in environment.items():
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value
+        if GRAPPLER_OPTION in options:
+            tf.config.optimizer.set_experimental_options(
+                {GRAPPLER_OPTION: options[GRAPPLER_OPTION]}
             )
-        self._num_applies += 1
-        path = os.path.join(self.log_dir, f"apply_{self._num_applies:03d}")
-        os.makedirs(path, exist_ok=True)
+        else:
+            _compat.reset_grappler_option(GRAPPLER_OPTION)
+
+    def _resolve_log_dir(self, environment) -> str:
+        if self.log_dir is None:
+            self.log_dir = environment[LOG_PATH_VARIABLE]
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix="keras_amp_plus_grappler_")
+            self._owns_log_dir = True
+            # The dumps are kept for reports after training, but not forever.
+            weakref.finalize(self, shutil.rmtree, self.log_dir, ignore_errors=True)
+        return self.log_dir
+
+    def _new_dump_dir(self, environment) -> str:
+        """Create the next free `apply_NNN` directory (before any global change)."""
+        log_dir = self._resolve_log_dir(environment)
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+            taken = sorted(
+                int(name[len("apply_") :])
+                for name in os.listdir(log_dir)
+                if re.fullmatch(r"apply_\d+", name)
+            )
+            path = os.path.join(log_dir, f"apply_{(taken or [0])[-1] + 1:03d}")
+            os.makedirs(path)
+        except OSError as error:
+            raise ValueError(
+                f"The grappler engine cannot create its graph-dump directory "
+                f"under {log_dir!r} ({error}). Pass a writable directory as "
+                "`log_dir`, or `dump_graphs=False` (then `precision_report` "
+                f"cannot count converted nodes). Received: log_dir={log_dir!r}"
+            ) from error
+        if self._owns_log_dir:
+            for number in taken[: max(0, len(taken) + 1 - self.KEPT_DUMPS)]:
+                old = os.path.join(log_dir, f"apply_{number:03d}")
+                shutil.rmtree(old, ignore_errors=True)
         return path
 
     def apply(self, model, lists) -> None:
-        """Set the grappler option and list variables, then rebuild functions."""
+        """Set the grappler option and list variables, then rebuild functions.
+
+        Bad lists raise before anything changes; if a later step fails, the
+        variables and the option are put back as they were before this call.
+
+        Args:
+            model: the Keras model the lists refer to.
+            lists: a `keras_amp_plus.PrecisionLists`.
+        """
         placements = op_placements(model, lists)  # raises before any change
         warn_if_xla(model, self.name)
-        self._save_global_state()
-        base = {f: self._saved_environment[list_variable(f)] for f in FIELD_NAMES}
-        for field, value in merge_list_fields(base, placements).items():
-            variable = list_variable(field)
-            if value or self._saved_environment[variable] is not None:
-                os.environ[variable] = value
-            else:
-                os.environ.pop(variable, None)
-        if self.dump_graphs:
-            self.dump_dir = self._next_dump_dir()
-            os.environ[LOG_PATH_VARIABLE] = self.dump_dir
-        tf.config.optimizer.set_experimental_options({GRAPPLER_OPTION: True})
+        before = self._current_state()
+        saved = self._saved_environment or before[0]
+        dump_dir = self._new_dump_dir(saved) if self.dump_graphs else None
+        try:
+            base = {f: saved[list_variable(f)] for f in FIELD_NAMES}
+            for field, value in merge_list_fields(base, placements).items():
+                variable = list_variable(field)
+                if value or saved[variable] is not None:
+                    os.environ[variable] = value
+                else:
+                    os.environ.pop(variable, None)
+            if dump_dir is not None:
+                os.environ[LOG_PATH_VARIABLE] = dump_dir
+            tf.config.optimizer.set_experimental_options({GRAPPLER_OPTION: True})
+            rebuild_functions(model)
+        except BaseException:
+            self._put_back(*before)
+            raise
+        if self._saved_environment is None:
+            self._saved_environment, self._saved_options = before
+        self.dump_dir = dump_dir or self.dump_dir
         self._model = model
-        rebuild_functions(model)
 
     def restore(self) -> None:
         """Put the variables and the grappler option back as they were."""
         if self._saved_environment is None:
             return
-        for variable, value in self._saved_environment.items():
-            if value is None:
-                os.environ.pop(variable, None)
-            else:
-                os.environ[variable] = value
-        if GRAPPLER_OPTION in self._saved_options:
-            tf.config.optimizer.set_experimental_options(
-                {GRAPPLER_OPTION: self._saved_options[GRAPPLER_OPTION]}
-            )
-        else:
-            _compat.reset_grappler_option(GRAPPLER_OPTION)
+        self._put_back(self._saved_environment, self._saved_options)
         self._saved_environment = self._saved_options = None
         if self._model is not None:
             # The cached functions were optimized under the engine's lists.

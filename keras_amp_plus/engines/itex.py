@@ -98,19 +98,24 @@ class ItexEngine(Engine):
         placements = op_placements(model, lists)  # raises before any change
         warn_if_xla(model, self.name)
         config = itex.get_config()
-        if self._saved_config is None:
-            self._saved_config = type(config)()
-            self._saved_config.CopyFrom(config)
-        saved_amp = self._saved_config.graph_options.auto_mixed_precision_options
+        before = type(config)()
+        before.CopyFrom(config)
+        saved = before if self._saved_config is None else self._saved_config
+        saved_amp = saved.graph_options.auto_mixed_precision_options
         saved_fields = {field: getattr(saved_amp, field) for field in FIELD_NAMES}
         amp = config.graph_options.auto_mixed_precision_options
         for field, value in itex_list_fields(saved_fields, placements).items():
             setattr(amp, field, value)
         amp.data_type = getattr(itex, self.data_type)
         config.graph_options.auto_mixed_precision = itex.ON
-        itex.set_config(config)
+        try:
+            itex.set_config(config)
+            rebuild_functions(model)
+        except BaseException:
+            itex.set_config(before)  # a failed apply changes nothing global
+            raise
+        self._saved_config = saved
         self._model = model
-        rebuild_functions(model)
 
     def restore(self) -> None:
         """Put ITEX's config back as it was before the first `apply`."""

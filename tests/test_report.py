@@ -75,6 +75,18 @@ def test_keras_report_lists_each_layers_compute_dtype(policy):
     assert report["engine"] == "keras" and "graph" not in report
 
 
+def test_nested_models_count_their_layers_not_themselves():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    inner = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(4, name="a")], name="inner"
+    )
+    model = keras.Sequential([keras.Input((4,)), inner, _model()], name="outer")
+    report = precision_report(model, "keras")
+    names = [row["name"] for row in report["layers"]]
+    assert sorted(names) == ["a", "d1", "d2", "ln"]
+    assert report["num_low_precision_layers"] == 4
+
+
 def test_graph_counts_match_a_known_function(tmp_path):
     @tf.function
     def matmul_relu(x, w):

@@ -10,6 +10,8 @@ Policies are swapped with the `layer.dtype_policy` setter: variables stay as
 they are (float32 / mixed_bfloat16 / mixed_float16 all keep float32 variables).
 """
 
+import keras
+
 from keras_amp_plus import _compat
 from keras_amp_plus.engines import layer_matching
 from keras_amp_plus.engines.base import Engine, rebuild_functions
@@ -109,9 +111,18 @@ class KerasEngine(Engine):
 
 
 def layer_precisions(model) -> list:
-    """Return one dict per computing layer: name, path, class, dtypes."""
+    """Return one dict per computing layer: name, path, class, dtypes.
+
+    Nested models are left out: their layers are listed, and a nested model's
+    own policy computes nothing (nor is it saved with the model).
+
+    Args:
+        model: a Keras model.
+    """
     rows = []
     for layer in layer_matching.candidate_layers(model):
+        if isinstance(layer, keras.Model):
+            continue
         policy = layer.dtype_policy
         rows.append(
             {

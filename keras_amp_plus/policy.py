@@ -64,15 +64,25 @@ class PrecisionLists:
         policy_checks.check_lists(self, LAYER_FIELDS, OP_FIELDS)
 
     def replace(self, **changes) -> "PrecisionLists":
-        """Return a copy with some fields replaced (validated like the original)."""
+        """Return a copy with some fields replaced (validated like the original).
+
+        Args:
+            **changes: new values for fields, by field name.
+        """
+        unknown = sorted(set(changes) - set(LAYER_FIELDS + OP_FIELDS))
+        if unknown:
+            raise TypeError(
+                f"Unknown `PrecisionLists` fields {unknown}; expected fields among "
+                f"{list(LAYER_FIELDS + OP_FIELDS)}. Received: {changes!r}"
+            )
         return dataclasses.replace(self, **changes)
 
-    def _move(self, names, to: str, suffix: str, fields) -> "PrecisionLists":
+    def _move(self, names, to: str, suffix: str, fields, argument: str):
         target = f"{to}_{suffix}"
         if target not in fields:
             choices = [field.split("_")[0] for field in fields]
             raise ValueError(f"`to` must be one of {choices}. Received: to={to!r}")
-        names = policy_checks.as_names(names, "names")
+        names = policy_checks.as_names(names, argument)
         changes = {
             field: tuple(n for n in getattr(self, field) if n not in names)
             for field in fields
@@ -95,7 +105,7 @@ class PrecisionLists:
         >>> lists.move_layers("head", to="deny").deny_layers
         ('head',)
         """
-        return self._move(names, to, "layers", LAYER_FIELDS)
+        return self._move(names, to, "layers", LAYER_FIELDS, "names")
 
     def move_ops(self, op_types: Iterable[str] | str, to: str) -> "PrecisionLists":
         """Return new lists with `op_types` in the `to` op list.
@@ -106,7 +116,7 @@ class PrecisionLists:
             op_types: a TF op type or an iterable of them.
             to: "allow", "infer", "clear" or "deny".
         """
-        return self._move(op_types, to, "ops", OP_FIELDS)
+        return self._move(op_types, to, "ops", OP_FIELDS, "op_types")
 
     def layer_list_of(self, name: str) -> str | None:
         """Return "allow", "deny" or None: the layer list holding `name`."""

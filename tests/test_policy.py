@@ -72,6 +72,15 @@ def test_replace_validates_like_the_constructor():
         FULL.replace(deny_ops=("MatMul",))
 
 
+def test_replace_and_moves_name_bad_arguments():
+    with pytest.raises(TypeError, match=r"Unknown `PrecisionLists` fields \['deny'\]"):
+        FULL.replace(deny=("MatMul",))
+    with pytest.raises(TypeError, match=r"Received: op_types=5"):
+        FULL.move_ops(5, to="deny")
+    with pytest.raises(ValueError, match=r"'Matmul'.*Did you mean MatMul"):
+        FULL.move_ops("Matmul", to="deny")
+
+
 def test_config_and_json_round_trip():
     config = FULL.get_config()
     assert config["deny_layers"] == ["LayerNormalization", "encoder/ln_1"]

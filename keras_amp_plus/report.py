@@ -20,6 +20,7 @@ import glob
 import os
 import re
 
+import keras
 import tensorflow as tf
 
 from keras_amp_plus.engines.base import Engine
@@ -182,7 +183,11 @@ def _dump_dir(name: str, engine, log_dir):
     )
 
 
-def precision_report(model, engine=None, log_dir: str | None = None) -> dict:
+def precision_report(
+    model: keras.Model,
+    engine: str | Engine | None = None,
+    log_dir: str | None = None,
+) -> dict:
     """Report what runs in low precision for `model`.
 
     Args:

@@ -8,12 +8,18 @@ with `make_*_function(force=True)`. It never sets `train_function = None`:
 replacing it is safe between epochs, deleting it is not.
 """
 
+import typing
 import warnings
+
+import keras
 
 from keras_amp_plus.engines.op_types import op_types_for_layer
 
+if typing.TYPE_CHECKING:  # policy.py imports this package
+    from keras_amp_plus.policy import PrecisionLists
 
-def rebuild_functions(model) -> None:
+
+def rebuild_functions(model: keras.Model) -> None:
     """Rebuild the model's train function, and its test/predict ones if built.
 
     Args:
@@ -28,7 +34,7 @@ def rebuild_functions(model) -> None:
         model.make_predict_function(force=True)
 
 
-def warn_if_xla(model, engine_name: str) -> None:
+def warn_if_xla(model: keras.Model, engine_name: str) -> None:
     """Warn that XLA-compiled functions bypass graph rewrites."""
     if getattr(model, "jit_compile", False):
         warnings.warn(
@@ -49,14 +55,19 @@ class Engine:
     name = "engine"
     level = "op"
 
-    def apply(self, model, lists) -> None:
-        """Make `lists` take effect for `model`, then rebuild its functions."""
+    def apply(self, model: keras.Model, lists: "PrecisionLists") -> None:
+        """Make `lists` take effect for `model`, then rebuild its functions.
+
+        Args:
+            model: the Keras model the lists refer to.
+            lists: a `keras_amp_plus.PrecisionLists`.
+        """
         raise NotImplementedError
 
     def restore(self) -> None:
         """Put back the global state this engine changed (nothing by default)."""
 
-    def op_types_for_layer(self, layer) -> tuple:
+    def op_types_for_layer(self, layer: keras.layers.Layer) -> tuple:
         """Return the op types a graph engine uses for `layer`."""
         return op_types_for_layer(layer)
 

@@ -21,8 +21,10 @@ import os
 import re
 import shutil
 import tempfile
+import typing
 import weakref
 
+import keras
 import tensorflow as tf
 
 from keras_amp_plus import _compat
@@ -32,6 +34,9 @@ from keras_amp_plus.engines.op_lists import (
     merge_list_fields,
     op_placements,
 )
+
+if typing.TYPE_CHECKING:  # policy.py imports this package
+    from keras_amp_plus.policy import PrecisionLists
 
 ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
 LOG_PATH_VARIABLE = ENV_PREFIX + "LOG_PATH"
@@ -139,7 +144,7 @@ class GrapplerEngine(Engine):
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
-    def apply(self, model, lists) -> None:
+    def apply(self, model: keras.Model, lists: "PrecisionLists") -> None:
         """Set the grappler option and list variables, then rebuild functions.
 
         Bad lists raise before anything changes; if a later step fails, the

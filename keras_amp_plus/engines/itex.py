@@ -14,6 +14,9 @@ pure function tested everywhere.
 """
 
 import os
+import typing
+
+import keras
 
 from keras_amp_plus import _compat
 from keras_amp_plus.engines.base import Engine, rebuild_functions, warn_if_xla
@@ -22,6 +25,9 @@ from keras_amp_plus.engines.op_lists import (
     merge_list_fields,
     op_placements,
 )
+
+if typing.TYPE_CHECKING:  # policy.py imports this package
+    from keras_amp_plus.policy import PrecisionLists
 
 ENV_PREFIX = "ITEX_AUTO_MIXED_PRECISION_"
 INSTALL_HINT = (
@@ -92,8 +98,13 @@ class ItexEngine(Engine):
         self._saved_config = None
         self._model = None
 
-    def apply(self, model, lists) -> None:
-        """Set ITEX's AMP lists from `itex.get_config()`, then rebuild."""
+    def apply(self, model: keras.Model, lists: "PrecisionLists") -> None:
+        """Set ITEX's AMP lists from `itex.get_config()`, then rebuild.
+
+        Args:
+            model: the Keras model the lists refer to.
+            lists: a `keras_amp_plus.PrecisionLists`.
+        """
         itex = require_itex()
         placements = op_placements(model, lists)  # raises before any change
         warn_if_xla(model, self.name)

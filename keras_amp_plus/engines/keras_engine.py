@@ -10,11 +10,16 @@ Policies are swapped with the `layer.dtype_policy` setter: variables stay as
 they are (float32 / mixed_bfloat16 / mixed_float16 all keep float32 variables).
 """
 
+import typing
+
 import keras
 
 from keras_amp_plus import _compat
 from keras_amp_plus.engines import layer_matching
 from keras_amp_plus.engines.base import Engine, rebuild_functions
+
+if typing.TYPE_CHECKING:  # policy.py imports this package
+    from keras_amp_plus.policy import PrecisionLists
 
 DEFAULT_MIXED_POLICY = "mixed_bfloat16"
 
@@ -74,8 +79,13 @@ class KerasEngine(Engine):
                 return _compat.dtype_policy(f"mixed_{policy.compute_dtype}")
         return _compat.dtype_policy(DEFAULT_MIXED_POLICY)
 
-    def apply(self, model, lists) -> None:
-        """Set every listed layer's dtype policy, then rebuild the functions."""
+    def apply(self, model: keras.Model, lists: "PrecisionLists") -> None:
+        """Set every listed layer's dtype policy, then rebuild the functions.
+
+        Args:
+            model: the Keras model the lists refer to.
+            lists: a `keras_amp_plus.PrecisionLists` without op lists.
+        """
         op_entries = {
             field: getattr(lists, field)
             for field in ("allow_ops", "infer_ops", "clear_ops", "deny_ops")
@@ -110,7 +120,7 @@ class KerasEngine(Engine):
             layer.dtype_policy = policy
 
 
-def layer_precisions(model) -> list:
+def layer_precisions(model: keras.Model) -> list:
     """Return one dict per computing layer: name, path, class, dtypes.
 
     Nested models are left out: their layers are listed, and a nested model's

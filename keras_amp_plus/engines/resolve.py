@@ -6,6 +6,8 @@ policies already decide its precision; else `grappler`, which converts a
 float32 model by op type.
 """
 
+import keras
+
 from keras_amp_plus import _compat
 from keras_amp_plus.engines.base import Engine
 from keras_amp_plus.engines.grappler import GrapplerEngine
@@ -15,7 +17,7 @@ from keras_amp_plus.engines.keras_engine import KerasEngine, model_uses_mixed_po
 ENGINE_NAMES = ("keras", "grappler", "itex", "auto")
 
 
-def auto_engine_name(model) -> str:
+def auto_engine_name(model: keras.Model) -> str:
     """Return the engine name "auto" stands for, for this model."""
     if _compat.itex_module() is not None:
         return "itex"
@@ -24,7 +26,7 @@ def auto_engine_name(model) -> str:
     return "grappler"
 
 
-def resolve_engine(engine, model) -> Engine:
+def resolve_engine(engine: str | Engine, model: keras.Model) -> Engine:
     """Return the Engine for a name (or pass an Engine instance through).
 
     Args:

@@ -126,6 +126,14 @@ def read_rewrite_dump(dump_dir: str) -> dict:
         returned by `summarize_dump` (zero converted nodes when the rewrite
         wrote only the graph before it).
     """
+    if not os.path.isdir(dump_dir):
+        # Grappler does not create the directory: nothing was or will be dumped.
+        raise ValueError(
+            f"The graph-dump directory {dump_dir!r} does not exist, so there is "
+            "no rewrite to report. Pass the directory `*_LOG_PATH` pointed at "
+            "while the model ran (or the engine that trained it). "
+            f"Received: dump_dir={dump_dir!r}"
+        )
     escaped = glob.escape(dump_dir)
     rewritten = glob.glob(os.path.join(escaped, "graphdef_AutoMixedPrecision_*.pb"))
     done = {

@@ -1,4 +1,5 @@
 import os
+import re
 
 import keras
 import pytest
@@ -146,6 +147,12 @@ def test_a_graph_report_without_dump_dir_explains_how_to_get_one(monkeypatch):
     monkeypatch.delenv(LOG_PATH_VARIABLE, raising=False)
     with pytest.raises(ValueError, match=rf"set `{LOG_PATH_VARIABLE}` before"):
         precision_report(_model(), "grappler")
+
+
+def test_a_missing_dump_dir_is_an_error_not_an_empty_report(tmp_path):
+    missing = str(tmp_path / "typo")
+    with pytest.raises(ValueError, match=re.escape(f"Received: dump_dir={missing!r}")):
+        precision_report(_model(), "grappler", log_dir=missing)
 
 
 def test_unknown_engine_names_are_rejected():

@@ -20,25 +20,6 @@ DENY_ADD = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD"
 ALLOW_REMOVE = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_REMOVE"
 
 
-@pytest.fixture(autouse=True)
-def grappler_state():
-    """Grappler options and list variables are process-global: put them back."""
-    environment = {name: os.environ.get(name) for name in TOUCHED_VARIABLES}
-    options = tf.config.optimizer.get_experimental_options()
-    yield
-    for name, value in environment.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    if GRAPPLER_OPTION in options:
-        tf.config.optimizer.set_experimental_options(
-            {GRAPPLER_OPTION: options[GRAPPLER_OPTION]}
-        )
-    else:
-        _compat.reset_grappler_option(GRAPPLER_OPTION)
-
-
 def _model(jit_compile=False):
     model = keras.Sequential(
         [

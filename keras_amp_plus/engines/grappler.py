@@ -51,6 +51,31 @@ def list_variable(field: str) -> str:
 TOUCHED_VARIABLES = (*(list_variable(f) for f in FIELD_NAMES), LOG_PATH_VARIABLE)
 
 
+def capture_global_state() -> tuple:
+    """Return `(environment, options)`: the process-global state this engine edits.
+
+    The list variables (`TOUCHED_VARIABLES`, None where unset) and grappler's
+    experimental options; `put_back_global_state` restores them exactly.
+    """
+    environment = {v: os.environ.get(v) for v in TOUCHED_VARIABLES}
+    return environment, tf.config.optimizer.get_experimental_options()
+
+
+def put_back_global_state(environment: dict, options: dict) -> None:
+    """Restore what `capture_global_state` returned, unset values included."""
+    for variable, value in environment.items():
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = value
+    if GRAPPLER_OPTION in options:
+        tf.config.optimizer.set_experimental_options(
+            {GRAPPLER_OPTION: options[GRAPPLER_OPTION]}
+        )
+    else:
+        _compat.reset_grappler_option(GRAPPLER_OPTION)
+
+
 class GrapplerEngine(Engine):
     """Apply op lists (and translated layer lists) through grappler.
 
@@ -92,22 +117,11 @@ class GrapplerEngine(Engine):
         self._owns_log_dir = False
 
     def _current_state(self) -> tuple:
-        environment = {v: os.environ.get(v) for v in TOUCHED_VARIABLES}
-        return environment, tf.config.optimizer.get_experimental_options()
+        return capture_global_state()
 
     @staticmethod
     def _put_back(environment, options) -> None:
-        for variable, value in environment.items():
-            if value is None:
-                os.environ.pop(variable, None)
-            else:
-                os.environ[variable] = value
-        if GRAPPLER_OPTION in options:
-            tf.config.optimizer.set_experimental_options(
-                {GRAPPLER_OPTION: options[GRAPPLER_OPTION]}
-            )
-        else:
-            _compat.reset_grappler_option(GRAPPLER_OPTION)
+        put_back_global_state(environment, options)
 
     def _resolve_log_dir(self, environment) -> str:
         if self.log_dir is None:

@@ -37,6 +37,10 @@ def check_tensorflow_backend() -> None:
         )
 
 
+# Every public module imports this one: fail at import, not in the first step.
+check_tensorflow_backend()
+
+
 def dtype_policy(name):
     """Return the Keras dtype policy object for a policy name or policy."""
     return keras.dtype_policies.get(name)

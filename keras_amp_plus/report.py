@@ -23,10 +23,14 @@ import re
 import keras
 import tensorflow as tf
 
-from keras_amp_plus.engines.base import Engine
-from keras_amp_plus.engines.grappler import GRAPPLER_OPTION, LOG_PATH_VARIABLE
+from keras_amp_plus.engines.base import Engine, last_engine
+from keras_amp_plus.engines.grappler import LOG_PATH_VARIABLE
 from keras_amp_plus.engines.keras_engine import layer_precisions
-from keras_amp_plus.engines.resolve import ENGINE_NAMES, auto_engine_name
+from keras_amp_plus.engines.resolve import (
+    auto_engine_name,
+    check_engine_name,
+    graph_rewrite_switched_on,
+)
 
 ITEX_LOG_PATH_VARIABLE = "ITEX_AUTO_MIXED_PRECISION_LOG_PATH"
 _DUMP_NAME = re.compile(
@@ -158,20 +162,11 @@ def read_rewrite_dump(dump_dir: str) -> dict:
 
 
 def _engine_name(model, engine) -> str:
+    check_engine_name(engine, allow_none=True)
     if isinstance(engine, Engine):
         return engine.name
     if engine is None:
-        options = tf.config.optimizer.get_experimental_options()
-        # `auto_mixed_precision_mkl` is the deprecated name of the same rewrite.
-        rewrite_on = options.get(GRAPPLER_OPTION) or options.get(
-            "auto_mixed_precision_mkl"
-        )
-        return "grappler" if rewrite_on else "keras"
-    if engine not in ENGINE_NAMES:
-        raise ValueError(
-            f"`engine` must be one of {list(ENGINE_NAMES)}, an Engine or None. "
-            f"Received: engine={engine!r}"
-        )
+        return graph_rewrite_switched_on() or "keras"
     return auto_engine_name(model) if engine == "auto" else engine
 
 
@@ -191,6 +186,65 @@ def _dump_dir(name: str, engine, log_dir):
     )
 
 
+def _table(header: tuple, rows: list, markdown: bool) -> list:
+    """Return the lines of a plain-text (aligned) or Markdown table."""
+    cells = [[str(cell) for cell in row] for row in (header, *rows)]
+    if markdown:
+        lines = ["| " + " | ".join(row) + " |" for row in cells]
+        lines.insert(1, "|" + "---|" * len(header))
+        return lines
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+        for row in cells
+    ]
+
+
+class PrecisionReport(dict):
+    """The dict `precision_report` returns, printable as a table.
+
+    `str(report)` is an aligned text table, `report.to_markdown()` the same in
+    Markdown: a headline, one row per layer, and for graph engines what the
+    rewrite converted in the latest train function, by op type.
+    """
+
+    def _lines(self, markdown: bool) -> list:
+        headline = (
+            f"Precision report of model {self['model']!r} (engine "
+            f"{self['engine']!r}): {self['num_low_precision_layers']} of "
+            f"{self['num_layers']} layers in low precision"
+        )
+        if self["jit_compile"] and self["engine"] != "keras":
+            headline += " (XLA-compiled: graph rewrites do not apply)"
+        header = ("layer", "class", "policy", "compute", "variables")
+        rows = [
+            (row["path"], row["class_name"], row["policy"], row["compute_dtype"])
+            + (row["variable_dtype"],)
+            for row in self["layers"]
+        ]
+        lines = [headline, *_table(header, rows, markdown)]
+        train = self.get("graph", {}).get("train")
+        if "graph" in self and train is None:
+            lines += ["", "No train function was optimized by the rewrite yet."]
+        elif train is not None:
+            lines += [
+                "",
+                f"Train function {train['function']!r}: "
+                f"{train['num_converted']} of {train['num_nodes']} nodes "
+                f"converted, {train['num_casts_inserted']} casts inserted",
+            ]
+            converted = sorted(train["converted_by_op"].items())
+            lines += _table(("op type", "converted"), converted, markdown)
+        return lines
+
+    def __str__(self) -> str:
+        return "\n".join(self._lines(markdown=False))
+
+    def to_markdown(self) -> str:
+        """Return the report as Markdown (a headline and tables)."""
+        return "\n".join(self._lines(markdown=True))
+
+
 def precision_report(
     model: keras.Model,
     engine: str | Engine | None = None,
@@ -200,33 +254,47 @@ def precision_report(
 
     Args:
         model: a Keras model.
-        engine: an Engine (its `dump_dir` is read), an engine name, or None
-            ("grappler" when its rewrite is switched on, else "keras").
+        engine: an Engine (its `dump_dir` is read), an engine name, or None:
+            the engine that last took effect on `model` (an `AMPMonitor`'s,
+            also after training, so the report describes the last epoch),
+            else "grappler" when its rewrite is switched on, else "keras".
             Defaults to None.
         log_dir: graph-dump directory to read for graph engines. Defaults to
             None (the engine's `dump_dir`, else the `*_LOG_PATH` variable).
 
     Returns:
-        `{"engine", "model", "layers": [...], "num_layers",
-        "num_low_precision_layers", "jit_compile"}` plus, for graph engines,
-        `"graph"` as returned by `read_rewrite_dump`.
+        A `PrecisionReport`: a dict `{"engine", "model", "layers": [...],
+        "num_layers", "num_low_precision_layers", "jit_compile"}` plus, for
+        graph engines, `"graph"` as returned by `read_rewrite_dump`. `print()`
+        it for a table; `to_markdown()` gives the same as Markdown.
 
     Example:
     >>> import keras
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    >>> precision_report(model, "keras")["num_low_precision_layers"]
+    >>> model = keras.Sequential(
+    ...     [keras.Input((4,)), keras.layers.Dense(2, name="out")], name="m"
+    ... )
+    >>> report = precision_report(model, "keras")
+    >>> report["num_low_precision_layers"]
     0
+    >>> print(report)
+    Precision report of model 'm' (engine 'keras'): 0 of 1 layers in low precision
+    layer  class  policy   compute  variables
+    m/out  Dense  float32  float32  float32
     """
+    if engine is None:
+        engine = last_engine(model)
     name = _engine_name(model, engine)
     layers = layer_precisions(model)
-    report = {
-        "engine": name,
-        "model": model.name,
-        "layers": layers,
-        "num_layers": len(layers),
-        "num_low_precision_layers": sum(row["low_precision"] for row in layers),
-        "jit_compile": bool(getattr(model, "jit_compile", False)),
-    }
+    report = PrecisionReport(
+        {
+            "engine": name,
+            "model": model.name,
+            "layers": layers,
+            "num_layers": len(layers),
+            "num_low_precision_layers": sum(row["low_precision"] for row in layers),
+            "jit_compile": bool(getattr(model, "jit_compile", False)),
+        }
+    )
     if name != "keras":
         report["graph"] = read_rewrite_dump(_dump_dir(name, engine, log_dir))
     return report

@@ -242,6 +242,7 @@ def test_exact_counts_with_steps_per_execution(tmp_path):
     assert [e["step"] for e in events] == list(range(1, 2 * STEPS_PER_EPOCH + 1))
 
 
+@pytest.mark.onednn  # the grappler engine (see conftest.py)
 def test_graph_engine_lists_are_applied_and_restored(tmp_path):
     variable = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD"
     before = os.environ.get(variable)

@@ -1,4 +1,4 @@
-"""`python -m keras_amp_plus`: argument parsing, bench, broken stacks, the demo."""
+"""`python -m keras_amp_plus`: argument parsing, broken stacks, the demo."""
 
 import os
 import pathlib
@@ -9,8 +9,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_amp_plus import bench, demo, doctor
-from keras_amp_plus.__main__ import build_parser
+from keras_amp_plus import demo
+from keras_amp_plus.cli import build_parser, doctor
 
 
 def _run_module(*args, env_updates=None, timeout=300):
@@ -31,7 +31,6 @@ def test_parser_defaults():
     assert (doctor.json, doctor.probe_seconds) == (False, 2.0)
     run = parser.parse_args(["demo", "--log-dir", "logs"])
     assert (run.log_dir, run.epochs, run.policy) == ("logs", 3, "mixed_bfloat16")
-    assert parser.parse_args(["bench", "--quick"]).quick is True
 
 
 @pytest.mark.parametrize(
@@ -44,6 +43,7 @@ def test_parser_defaults():
         ["demo", "--log-dir", "logs", "--epochs", "0"],
         ["demo", "--log-dir", "logs", "--policy", "mixed_int8"],
         ["cure"],
+        ["bench"],  # benchmarks run from the checkout: `make bench`
     ],
 )
 def test_parser_rejects_bad_arguments(argv, capsys):
@@ -51,48 +51,6 @@ def test_parser_rejects_bad_arguments(argv, capsys):
         build_parser().parse_args(argv)
     assert exit_info.value.code == 2
     assert "error:" in capsys.readouterr().err
-
-
-def _write_script(directory: pathlib.Path, name: str, exit_code: int) -> None:
-    # Each fake benchmark records the arguments it was given.
-    (directory / name).write_text(
-        "import pathlib, sys\n"
-        f"pathlib.Path(__file__).with_suffix('.args').write_text(repr(sys.argv[1:]))\n"
-        f"sys.exit({exit_code})\n"
-    )
-
-
-def test_bench_runs_each_script_and_passes_quick(tmp_path, capsys):
-    for name in bench.BENCHMARK_SCRIPTS:
-        _write_script(tmp_path, name, exit_code=0)
-    assert bench.main(quick=True, benchmarks_dir=tmp_path) == 0
-    for name in bench.BENCHMARK_SCRIPTS:
-        assert (tmp_path / name).with_suffix(".args").read_text() == "['--quick']"
-    assert capsys.readouterr().out.count("$ ") == len(bench.BENCHMARK_SCRIPTS)
-
-
-def test_bench_reports_failures_and_missing_scripts(tmp_path, capsys):
-    _write_script(tmp_path, "layers.py", exit_code=0)
-    _write_script(tmp_path, "loss_scale.py", exit_code=3)
-    assert bench.main(benchmarks_dir=tmp_path) == 1
-    assert (tmp_path / "layers.args").read_text() == "[]"
-    err = capsys.readouterr().err
-    assert "monitor.py not found" in err
-    assert "failed: loss_scale.py" in err
-
-
-def test_bench_without_scripts_says_so(tmp_path, capsys):
-    assert bench.main(benchmarks_dir=tmp_path) == 1
-    assert "not found" in capsys.readouterr().err
-
-
-def test_bench_finds_the_checkout_benchmarks_dir():
-    found = bench.find_benchmarks_dir()
-    checkout = pathlib.Path(bench.__file__).resolve().parent.parent
-    if (checkout / "benchmarks").is_dir():
-        assert found == checkout / "benchmarks"
-    else:
-        assert found is None
 
 
 def test_doctor_refuses_a_non_tensorflow_backend(monkeypatch, capsys):

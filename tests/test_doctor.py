@@ -10,8 +10,10 @@ import keras
 import pytest
 import tensorflow as tf
 
-from keras_amp_plus import cpu_features, doctor, doctor_text, matmul_probe
-from keras_amp_plus.recommendation import recommend
+from keras_amp_plus import _hardware as cpu_features
+from keras_amp_plus import _matmul_probe as matmul_probe
+from keras_amp_plus.cli import doctor, doctor_text
+from keras_amp_plus.cli.recommendation import recommend
 
 SAPPHIRE_RAPIDS = """\
 processor\t: 0
@@ -92,12 +94,13 @@ def test_recommend_warns_when_bfloat16_is_slower_without_hardware():
     )
     advice = recommend({"bfloat16": 0.25, "float16": 0.2}, features=features)
     assert advice["policy"] == "float32"
+    assert advice["verdict"] == "slower"
     assert advice["summary"].startswith(
-        "WARNING: bfloat16 matmuls run 4.0x slower than float32 here: keep float32"
+        "WARNING: mixed_bfloat16 would slow training here: this CPU has neither "
+        "AMX-BF16 nor AVX512-BF16, so bfloat16 is emulated (bfloat16 matmul "
+        "throughput 0.25x float32, measured). Instead, train in float32"
     )
-    assert len(advice["warnings"]) == 1
-    assert "neither AMX-BF16 nor AVX512-BF16" in advice["warnings"][0]
-    assert "42422" in advice["warnings"][0]
+    assert advice["warnings"] == []
 
 
 def test_recommend_slow_bfloat16_on_capable_cpu_blames_no_hardware():
@@ -110,8 +113,62 @@ def test_recommend_slow_bfloat16_on_capable_cpu_blames_no_hardware():
 def test_recommend_similar_speed_keeps_float32():
     advice = recommend({"bfloat16": 1.05})
     assert advice["policy"] == "float32"
+    assert advice["verdict"] == "no clear difference"
     assert "about as fast as float32 (1.05x)" in advice["summary"]
     assert advice["notes"] == []
+
+
+@pytest.mark.parametrize("speedup", [0.6, 0.86, 0.9, 0.95, 1.1, 1.2])
+def test_verdict_on_a_cpu_without_bfloat16_is_stable(speedup):
+    # A noisy probe near a threshold must not flip the advice: the hardware
+    # (no bfloat16 instructions) decides, the figure is only reported.
+    advice = recommend({"bfloat16": speedup}, features=NO_FEATURES, onednn=False)
+    assert (advice["policy"], advice["verdict"]) == ("float32", "slower")
+    assert "would slow training" in advice["summary"]
+    assert f"{speedup:.2f}x float32, measured" in advice["summary"]
+
+
+@pytest.mark.parametrize(
+    ("speedup", "verdict"),
+    [(0.5, "slower"), (0.87, "slower"), (0.9, "no clear difference")]
+    + [(1.14, "no clear difference"), (1.15, "faster"), (None, "unknown")],
+)
+def test_verdict_band_when_the_hardware_is_unknown(speedup, verdict):
+    assert recommend({"bfloat16": speedup})["verdict"] == verdict
+
+
+def test_capable_cpu_without_a_figure_is_expected_fast():
+    features = dict.fromkeys(NO_FEATURES, True)
+    advice = recommend({"bfloat16": None}, features=features, onednn=True)
+    assert (advice["verdict"], advice["policy"]) == ("faster", "mixed_bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("env", "expected", "absent"),
+    [
+        (None, "off by default on this CPU; set TF_ENABLE_ONEDNN_OPTS=1", "unset"),
+        ("0", "TF_ENABLE_ONEDNN_OPTS=0 turns it off; set it to 1", "by default"),
+    ],
+)
+def test_onednn_advice_fits_the_environment(env, expected, absent):
+    advice = recommend(
+        {"bfloat16": 0.9}, features=NO_FEATURES, onednn=False, onednn_env=env
+    )
+    (warning,) = advice["warnings"]
+    assert expected in warning
+    assert absent not in warning
+    assert "on this CPU it will not make bfloat16 fast" in warning
+
+
+def test_outlook_caches_the_probe_figure(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_AMP_PLUS_CACHE_DIR", str(tmp_path))
+    probe = {"results": {"float32": {}, "bfloat16": {"speedup_vs_float32": 0.42}}}
+    fresh = cpu_features.bfloat16_outlook(probe=probe)
+    cached = cpu_features.bfloat16_outlook(measure=False)
+    assert fresh["speedup"] == cached["speedup"] == 0.42
+    assert len(list(tmp_path.glob("bfloat16_probe_*.json"))) == 1
+    assert cached["verdict"] == "slower"  # 0.42 <= 0.87, whatever the CPU
+    assert "0.42x float32, measured" in cached["reason"]
 
 
 def test_recommend_float16_only_when_clearly_fastest():
@@ -131,6 +188,7 @@ def test_recommend_unmeasured_bfloat16():
 
 def test_recommend_warns_about_onednn_off_and_xla():
     advice = recommend({"bfloat16": 4.0}, onednn=False, fit_uses_xla=True)
+    assert advice["verdict"] == "slower"  # oneDNN off: emulated bfloat16
     assert len(advice["warnings"]) == 2
     assert "oneDNN is off" in advice["warnings"][0]
     assert "jit_compile=False" in advice["warnings"][1]
@@ -235,7 +293,7 @@ def test_doctor_json_on_this_machine():
 
 @pytest.mark.parametrize("setting, expected", [("0", False), ("1", True)])
 def test_onednn_status_follows_env(setting, expected):
-    code = "from keras_amp_plus import doctor; print(doctor.onednn_status())"
+    code = "from keras_amp_plus.cli import doctor; print(doctor.onednn_status())"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": setting}
     completed = subprocess.run(
         [sys.executable, "-c", code],

@@ -19,6 +19,9 @@ from keras_amp_plus.report import precision_report
 DENY_ADD = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD"
 ALLOW_REMOVE = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_REMOVE"
 
+# The grappler bfloat16 rewrite needs oneDNN (see conftest.py).
+pytestmark = pytest.mark.onednn
+
 
 def _model(jit_compile=False):
     model = keras.Sequential(

@@ -1,5 +1,6 @@
 import keras
 import pytest
+import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus.engines import (
@@ -8,6 +9,8 @@ from keras_amp_plus.engines import (
     KerasEngine,
     resolve_engine,
 )
+from keras_amp_plus.engines.resolve import check_engine_name
+from keras_amp_plus.policy import PrecisionLists
 
 
 def _model(layer_dtype=None):
@@ -44,7 +47,8 @@ def test_unknown_names_are_rejected():
 @pytest.mark.parametrize(
     ("policy", "layer_dtype", "expected"),
     [
-        ("float32", None, "grappler"),
+        # A float32 model stays float32: auto never turns a rewrite on.
+        ("float32", None, "keras"),
         ("mixed_bfloat16", None, "keras"),
         ("mixed_float16", None, "keras"),
         ("float32", "mixed_bfloat16", "keras"),  # one mixed layer is enough
@@ -60,10 +64,34 @@ def test_auto_without_itex(policy, layer_dtype, expected):
     assert resolve_engine("auto", model).name == expected
 
 
-def test_auto_prefers_itex_when_it_imports(monkeypatch):
+def test_auto_picks_a_graph_engine_only_for_op_lists(monkeypatch):
+    lists = PrecisionLists(deny_ops=("Softmax",))
+    assert resolve_engine("auto", _model(), lists).name == "grappler"
+    layer_lists = PrecisionLists(deny_layers=("d1",))
+    assert resolve_engine("auto", _model(), layer_lists).name == "keras"
     monkeypatch.setattr(_compat, "itex_module", lambda: object())
-    keras.config.set_dtype_policy("mixed_bfloat16")
+    assert resolve_engine("auto", _model(), lists).name == "itex"
+    # ITEX being importable is no request for its rewrite.
+    assert resolve_engine("auto", _model(), layer_lists).name == "keras"
+
+
+def test_auto_follows_a_rewrite_the_user_switched_on():
+    tf.config.optimizer.set_experimental_options(
+        {"auto_mixed_precision_onednn_bfloat16": True}
+    )
+    assert resolve_engine("auto", _model()).name == "grappler"
+
+
+def test_itex_auto_mixed_precision_env_asks_for_itex(monkeypatch):
+    monkeypatch.setattr(_compat, "itex_module", lambda: object())
+    monkeypatch.setenv("ITEX_AUTO_MIXED_PRECISION", "1")
     assert resolve_engine("auto", _model()).name == "itex"
+
+
+@pytest.mark.parametrize("engine", ["xla", 42, None, ""])
+def test_check_engine_name_rejects_what_resolve_would(engine):
+    with pytest.raises(ValueError, match="Received: engine="):
+        check_engine_name(engine)
 
 
 def test_engines_share_the_op_type_mapping():

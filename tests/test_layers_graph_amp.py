@@ -9,9 +9,13 @@ import contextlib
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from keras_amp_plus import _compat, layers
+
+# The grappler bfloat16 rewrite needs oneDNN (see conftest.py).
+pytestmark = pytest.mark.onednn
 
 REWRITE = "auto_mixed_precision_onednn_bfloat16"
 FEATURES = 64

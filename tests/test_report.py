@@ -67,6 +67,7 @@ def test_nested_models_count_their_layers_not_themselves():
     assert report["num_low_precision_layers"] == 4
 
 
+@pytest.mark.onednn
 def test_graph_counts_match_a_known_function(tmp_path):
     @tf.function
     def matmul_relu(x, w):
@@ -92,6 +93,7 @@ def test_graph_counts_match_a_known_function(tmp_path):
     assert record["converted_by_op"] == {} and record["lists"] == {}
 
 
+@pytest.mark.onednn
 def test_nodes_already_in_bfloat16_are_not_counted(tmp_path):
     @tf.function
     def half_converted(x, w):
@@ -102,6 +104,7 @@ def test_nodes_already_in_bfloat16_are_not_counted(tmp_path):
     assert record["converted_by_op"] == {"AddV2": 1, "MatMul": 1}
 
 
+@pytest.mark.onednn
 def test_report_follows_the_grappler_engine(tmp_path):
     model = _model()
     model.compile(optimizer="sgd", loss="mse")
@@ -109,7 +112,7 @@ def test_report_follows_the_grappler_engine(tmp_path):
     engine.apply(model, PrecisionLists(deny_layers=("ln",)))
     model.fit(tf.ones((4, 4)), tf.ones((4, 2)), epochs=1, verbose=0)
     by_engine = precision_report(model, engine)
-    by_default = precision_report(model)  # option on -> "grappler", env dump dir
+    by_default = precision_report(model)  # the engine that last took effect
     assert by_engine["engine"] == by_default["engine"] == "grappler"
     assert by_engine["graph"] == by_default["graph"]
     train = by_engine["graph"]["train"]
@@ -119,7 +122,13 @@ def test_report_follows_the_grappler_engine(tmp_path):
     assert "Rsqrt" not in train["converted_by_op"]
     assert by_engine["num_low_precision_layers"] == 0  # policies untouched
     engine.restore()
-    assert precision_report(model)["engine"] == "keras"
+    # After training the report still describes what ran in the last epoch.
+    after = precision_report(model)
+    assert after["engine"] == "grappler"
+    assert after["graph"]["train"]["converted_by_op"]["MatMul"] == 5
+    assert "MatMul" in str(after) and "| MatMul | 5 |" in after.to_markdown()
+    # A model no engine touched: the rewrite is off again, so "keras".
+    assert precision_report(_model())["engine"] == "keras"
 
 
 def test_a_graph_report_without_dump_dir_explains_how_to_get_one(monkeypatch):

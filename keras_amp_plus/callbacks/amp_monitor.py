@@ -60,8 +60,14 @@ class AMPMonitor(keras.callbacks.Callback):
             file, or None for Python logging only. Defaults to `None`.
         lists: initial `PrecisionLists` (or its config dict); `monitor.lists`
             is always the current lists. Defaults to `None` (empty lists).
-        engine: "auto", "keras", "grappler", "itex" or an Engine. Defaults to
-            `"auto"`.
+        engine: "auto", "keras", "grappler", "itex" or an Engine. "auto"
+            never turns on a precision you did not ask for: the layer engine
+            `keras`, or a graph engine when `lists` holds op types or a graph
+            rewrite is already on (see `keras_amp_plus.engines.resolve`). A
+            graph engine that cannot work here (grappler with oneDNN off)
+            raises in `on_train_begin`. From `on_train_begin` on,
+            `monitor.engine` is the Engine really used (pass it to
+            `precision_report`). Defaults to `"auto"`.
         adapt: whether to move layers between lists. Defaults to `True`.
         deny_threshold: events attributed to one layer in one epoch that deny
             it. Defaults to `2`.
@@ -129,6 +135,8 @@ class AMPMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         """Check everything that could fail, then instrument the model."""
         self._session = monitor_session.MonitorSession(self, self.model)
+        # Public from here on: the engine really used, for precision_report.
+        self.engine = self._session.engine
 
     def on_epoch_begin(self, epoch, logs=None):
         """Resume or start the record (first epoch), reset epoch counters."""
@@ -187,7 +195,7 @@ class AMPMonitor(keras.callbacks.Callback):
         return {
             "log_dir": self.log_dir,
             "lists": self.lists.get_config(),
-            "engine": self.engine if isinstance(self.engine, str) else "auto",
+            "engine": getattr(self.engine, "name", self.engine),
             "adapt": self.adapt,
             "deny_threshold": self.rule.deny_threshold,
             "patience": self.rule.patience,

@@ -7,6 +7,7 @@ engine, list entries naming no layer, a read interval the ring cannot cover.
 """
 
 from keras_amp_plus.callbacks.event_log import check_writable
+from keras_amp_plus.callbacks.hardware_check import warn_once_if_bfloat16_is_slow
 from keras_amp_plus.engines import resolve_engine
 from keras_amp_plus.engines.itex import require_itex
 from keras_amp_plus.policy import OP_FIELDS, PrecisionLists
@@ -69,9 +70,10 @@ def check_fit_setup(monitor, model):
     check_model(model)
     if monitor.log_dir:
         check_writable(monitor.log_dir)
-    engine = resolve_engine(monitor.engine, model)
+    engine = resolve_engine(monitor.engine, model, monitor.lists)
     if engine.name == "itex":
         require_itex()  # fail now, not at the first list change
+    engine.check_available(model)  # e.g. grappler with oneDNN off
     if engine.level == "layer":
         ops = {f: getattr(monitor.lists, f) for f in OP_FIELDS}
         if any(ops.values()):
@@ -81,6 +83,7 @@ def check_fit_setup(monitor, model):
                 f"layers instead. Received: {ops}"
             )
     monitor.lists.matching_layers(model)
+    warn_once_if_bfloat16_is_slow(model)
     return engine
 
 

@@ -10,6 +10,7 @@ replacing it is safe between epochs, deleting it is not.
 
 import typing
 import warnings
+import weakref
 
 import keras
 
@@ -17,6 +18,26 @@ from keras_amp_plus.engines.op_types import op_types_for_layer
 
 if typing.TYPE_CHECKING:  # policy.py imports this package
     from keras_amp_plus.policy import PrecisionLists
+
+
+# The engine that last took effect on each model, for `precision_report(model)`.
+_LAST_ENGINES = weakref.WeakKeyDictionary()
+
+
+def remember_engine(model: keras.Model, engine: "Engine") -> None:
+    """Record `engine` as the one whose lists now decide `model`'s precision."""
+    _LAST_ENGINES[model] = engine
+
+
+def last_engine(model: keras.Model) -> "Engine | None":
+    """Return the engine that last took effect on `model`, or None.
+
+    Example:
+    >>> import keras
+    >>> last_engine(keras.Sequential()) is None
+    True
+    """
+    return _LAST_ENGINES.get(model)
 
 
 def rebuild_functions(model: keras.Model) -> None:
@@ -63,6 +84,32 @@ class Engine:
             lists: a `keras_amp_plus.PrecisionLists`.
         """
         raise NotImplementedError
+
+    def check_available(self, model: keras.Model) -> None:
+        """Raise a clear error if this engine cannot work here (default: it can).
+
+        Called before training starts, so that an engine that would do
+        nothing (and leave the model silently in float32) fails loudly first.
+
+        Args:
+            model: the Keras model the engine will act on.
+        """
+
+    def start(self, model: keras.Model, lists: "PrecisionLists") -> None:
+        """Make the engine take effect at the start of training.
+
+        A layer engine has nothing to do for empty lists (the dtype policies
+        already decide). Graph engines override this: choosing one means
+        switching its rewrite on, with TensorFlow's default lists when
+        `lists` is empty.
+
+        Args:
+            model: the Keras model the lists refer to.
+            lists: a `keras_amp_plus.PrecisionLists`.
+        """
+        remember_engine(model, self)
+        if lists != type(lists)():
+            self.apply(model, lists)
 
     def restore(self) -> None:
         """Put back the global state this engine changed (nothing by default)."""

@@ -28,7 +28,12 @@ import keras
 import tensorflow as tf
 
 from keras_amp_plus import _compat
-from keras_amp_plus.engines.base import Engine, rebuild_functions, warn_if_xla
+from keras_amp_plus.engines.base import (
+    Engine,
+    rebuild_functions,
+    remember_engine,
+    warn_if_xla,
+)
 from keras_amp_plus.engines.op_lists import (
     FIELD_NAMES,
     merge_list_fields,
@@ -41,6 +46,28 @@ if typing.TYPE_CHECKING:  # policy.py imports this package
 ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
 LOG_PATH_VARIABLE = ENV_PREFIX + "LOG_PATH"
 GRAPPLER_OPTION = "auto_mixed_precision_onednn_bfloat16"
+
+
+ONEDNN_OFF_MESSAGE = (
+    "The grappler engine needs TensorFlow's oneDNN kernels, but oneDNN is off "
+    "in this process (TensorFlow's default on CPUs without AVX512, or "
+    "TF_ENABLE_ONEDNN_OPTS=0): the `auto_mixed_precision_onednn_bfloat16` "
+    "rewrite would do nothing and the model would silently train in float32. "
+    "Set `TF_ENABLE_ONEDNN_OPTS=1` in the environment before TensorFlow is "
+    "imported, or use engine='keras' (per-layer dtype policies, such as "
+    "'mixed_bfloat16', work without oneDNN). Received: TF_ENABLE_ONEDNN_OPTS={}"
+)
+
+
+def check_onednn_enabled() -> None:
+    """Raise a clear error when oneDNN is off, so the rewrite cannot run.
+
+    Without oneDNN, grappler skips `auto_mixed_precision_onednn_bfloat16`
+    without a word; the switch is read once, when TensorFlow is imported.
+    """
+    if _compat.onednn_enabled() is False:
+        value = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+        raise RuntimeError(ONEDNN_OFF_MESSAGE.format(repr(value)))
 
 
 def list_variable(field: str) -> str:
@@ -158,16 +185,36 @@ class GrapplerEngine(Engine):
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
-    def apply(self, model: keras.Model, lists: "PrecisionLists") -> None:
-        """Set the grappler option and list variables, then rebuild functions.
+    def check_available(self, model: keras.Model) -> None:
+        """Raise when oneDNN is off: the rewrite would silently do nothing.
 
-        Bad lists raise before anything changes; if a later step fails, the
-        variables and the option are put back as they were before this call.
+        Args:
+            model: the Keras model (unused).
+        """
+        del model
+        check_onednn_enabled()
+
+    def start(self, model: keras.Model, lists: "PrecisionLists") -> None:
+        """Switch the rewrite on, with `lists` (TensorFlow's defaults if empty).
 
         Args:
             model: the Keras model the lists refer to.
             lists: a `keras_amp_plus.PrecisionLists`.
         """
+        self.apply(model, lists)
+
+    def apply(self, model: keras.Model, lists: "PrecisionLists") -> None:
+        """Set the grappler option and list variables, then rebuild functions.
+
+        Bad lists, and oneDNN being off, raise before anything changes; if a
+        later step fails, the variables and the option are put back as they
+        were before this call.
+
+        Args:
+            model: the Keras model the lists refer to.
+            lists: a `keras_amp_plus.PrecisionLists`.
+        """
+        check_onednn_enabled()
         placements = op_placements(model, lists)  # raises before any change
         warn_if_xla(model, self.name)
         before = self._current_state()
@@ -192,6 +239,7 @@ class GrapplerEngine(Engine):
             self._saved_environment, self._saved_options = before
         self.dump_dir = dump_dir or self.dump_dir
         self._model = model
+        remember_engine(model, self)
 
     def restore(self) -> None:
         """Put the variables and the grappler option back as they were."""

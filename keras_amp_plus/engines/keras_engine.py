@@ -16,7 +16,7 @@ import keras
 
 from keras_amp_plus import _compat
 from keras_amp_plus.engines import layer_matching
-from keras_amp_plus.engines.base import Engine, rebuild_functions
+from keras_amp_plus.engines.base import Engine, rebuild_functions, remember_engine
 
 if typing.TYPE_CHECKING:  # policy.py imports this package
     from keras_amp_plus.policy import PrecisionLists
@@ -112,6 +112,7 @@ class KerasEngine(Engine):
             elif id(layer) in self._original_policies:
                 _, original = self._original_policies.pop(id(layer))
                 self._set_policy(layer, original)
+        remember_engine(model, self)
         rebuild_functions(model)
 
     @staticmethod

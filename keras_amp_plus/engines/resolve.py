@@ -1,53 +1,119 @@
 """`resolve_engine`: turn "keras" | "grappler" | "itex" | "auto" into an Engine.
 
-"auto" picks, in order: `itex` when ITEX is importable; else `keras` when the
-model uses a mixed dtype policy (the global policy or any layer's), since the
-policies already decide its precision; else `grappler`, which converts a
-float32 model by op type.
+"auto" never turns on a precision the user did not ask for:
+
+- a graph engine only when the user asked for a graph rewrite: the lists hold
+  op types, or a rewrite is already switched on (grappler's
+  `auto_mixed_precision_onednn_bfloat16` option, or ITEX's
+  `ITEX_AUTO_MIXED_PRECISION=1`); then `itex` when ITEX is importable, else
+  `grappler`;
+- otherwise the layer engine `keras`, which only edits per-layer dtype
+  policies. On a float32 model, denying a layer then changes nothing at all,
+  and a mixed-policy model keeps the precision its policies chose.
 """
 
+import os
+
 import keras
+import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus.engines.base import Engine
-from keras_amp_plus.engines.grappler import GrapplerEngine
+from keras_amp_plus.engines.grappler import GRAPPLER_OPTION, GrapplerEngine
 from keras_amp_plus.engines.itex import ItexEngine
-from keras_amp_plus.engines.keras_engine import KerasEngine, model_uses_mixed_policy
+from keras_amp_plus.engines.keras_engine import KerasEngine
 
 ENGINE_NAMES = ("keras", "grappler", "itex", "auto")
+OP_FIELDS = ("allow_ops", "infer_ops", "clear_ops", "deny_ops")
+# `auto_mixed_precision_mkl` is the deprecated name of the same rewrite.
+GRAPPLER_OPTIONS = (GRAPPLER_OPTION, "auto_mixed_precision_mkl")
 
 
-def auto_engine_name(model: keras.Model) -> str:
-    """Return the engine name "auto" stands for, for this model."""
+def check_engine_name(engine, allow_none: bool = False) -> None:
+    """Raise a Keras-style error unless `engine` is a known name or an Engine.
+
+    Args:
+        engine: the value to check.
+        allow_none: whether None is accepted too. Defaults to False.
+
+    Example:
+    >>> check_engine_name("auto")
+    >>> check_engine_name("xla")
+    Traceback (most recent call last):
+    ...
+    ValueError: `engine` must be one of ['keras', 'grappler', 'itex', 'auto'] or an Engine. Received: engine='xla'
+    """  # noqa: E501
+    if isinstance(engine, Engine) or (allow_none and engine is None):
+        return
+    if isinstance(engine, str) and engine in ENGINE_NAMES:
+        return
+    names = list(ENGINE_NAMES)
+    if allow_none:
+        accepted = f"one of {names}, an Engine or None"
+    else:
+        accepted = f"one of {names} or an Engine"
+    raise ValueError(f"`engine` must be {accepted}. Received: engine={engine!r}")
+
+
+def graph_rewrite_switched_on() -> str | None:
+    """Return the graph engine whose rewrite the user already switched on, or None.
+
+    Example:
+    >>> graph_rewrite_switched_on() is None
+    True
+    """
     if _compat.itex_module() is not None:
-        return "itex"
-    if model_uses_mixed_policy(model):
-        return "keras"
-    return "grappler"
+        if os.environ.get("ITEX_AUTO_MIXED_PRECISION", "").strip() == "1":
+            return "itex"
+    options = tf.config.optimizer.get_experimental_options()
+    if any(options.get(name) for name in GRAPPLER_OPTIONS):
+        return "grappler"
+    return None
 
 
-def resolve_engine(engine: str | Engine, model: keras.Model) -> Engine:
+def auto_engine_name(model: keras.Model, lists=None) -> str:
+    """Return the engine name "auto" stands for (see the module docstring).
+
+    Args:
+        model: the Keras model (unused by the rule today; kept so the rule may
+            look at the model without changing callers).
+        lists: the `PrecisionLists` to apply, or None.
+
+    Example:
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> auto_engine_name(model)
+    'keras'
+    """
+    del model
+    switched_on = graph_rewrite_switched_on()
+    if switched_on is not None:
+        return switched_on
+    if lists is not None and any(getattr(lists, f) for f in OP_FIELDS):
+        return "itex" if _compat.itex_module() is not None else "grappler"
+    return "keras"
+
+
+def resolve_engine(engine: str | Engine, model: keras.Model, lists=None) -> Engine:
     """Return the Engine for a name (or pass an Engine instance through).
 
     Args:
         engine: "keras", "grappler", "itex", "auto" or an `Engine`.
         model: the Keras model, used by "auto".
+        lists: the `PrecisionLists` to apply, used by "auto" (op types ask for
+            a graph engine). Defaults to None.
 
     Example:
     >>> import keras
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     >>> resolve_engine("auto", model).name
-    'grappler'
+    'keras'
     """
+    check_engine_name(engine)
     if isinstance(engine, Engine):
         return engine
-    if engine not in ENGINE_NAMES:
-        raise ValueError(
-            f"`engine` must be one of {list(ENGINE_NAMES)} or an Engine. "
-            f"Received: engine={engine!r}"
-        )
     if engine == "auto":
-        engine = auto_engine_name(model)
+        engine = auto_engine_name(model, lists)
     return {"keras": KerasEngine, "grappler": GrapplerEngine, "itex": ItexEngine}[
         engine
     ]()

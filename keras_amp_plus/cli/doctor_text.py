@@ -1,6 +1,6 @@
-"""Render the doctor's facts (`keras_amp_plus.doctor.gather_facts`) as text."""
+"""Render the doctor's facts (`keras_amp_plus.cli.doctor.gather_facts`) as text."""
 
-from keras_amp_plus import cpu_features
+from keras_amp_plus import _hardware
 
 
 def _yes_no(value) -> str:
@@ -31,7 +31,7 @@ def _features_line(cpu: dict) -> str:
         return f"unknown (no /proc/cpuinfo on {cpu['system']})"
     return ", ".join(
         f"{label} {_yes_no(features[flag])}"
-        for flag, label in cpu_features.LOW_PRECISION_FLAGS.items()
+        for flag, label in _hardware.LOW_PRECISION_FLAGS.items()
     )
 
 
@@ -68,7 +68,7 @@ def render(facts: dict) -> str:
     """Return the doctor's report as plain text.
 
     Args:
-        facts: the dict returned by `keras_amp_plus.doctor.gather_facts`.
+        facts: the dict returned by `keras_amp_plus.cli.doctor.gather_facts`.
     """
     versions, cpu = facts["versions"], facts["cpu"]
     devices = ", ".join(

@@ -2,8 +2,10 @@
 
 The doctor gathers facts into a plain dict (versions, oneDNN, CPU low-precision
 features, devices, whether Keras XLA-compiles `fit`, a short matmul probe), turns
-them into a recommendation (`keras_amp_plus.recommendation.recommend`) and renders
-them as text or JSON. Each part is a small function so it can be tested alone.
+them into a recommendation (`keras_amp_plus.cli.recommendation.recommend`) and
+renders them as text or JSON. Keras and TensorFlow are imported only after the
+stack was checked, so a wrong Keras backend or a broken TensorFlow install is
+reported instead of crashing the doctor.
 """
 
 import importlib.metadata
@@ -12,16 +14,8 @@ import os
 import platform
 import sys
 
-import keras
-import tensorflow as tf
-
-from keras_amp_plus import (
-    _compat,
-    cpu_features,
-    doctor_text,
-    matmul_probe,
-    recommendation,
-)
+from keras_amp_plus import _hardware
+from keras_amp_plus.cli import doctor_text, recommendation
 
 ITEX_DISTRIBUTIONS = (
     "intel-extension-for-tensorflow",
@@ -36,18 +30,27 @@ def stack_problems() -> list:
     >>> stack_problems()
     []
     """
-    problems = []
-    if keras.backend.backend() != "tensorflow":
-        problems.append(
-            "Keras runs on the "
-            f"{keras.backend.backend()!r} backend; keras_amp_plus needs "
+    try:
+        import tensorflow  # noqa: F401
+    except Exception as error:  # a broken install raises more than ImportError
+        return [f"TensorFlow cannot be imported ({type(error).__name__}: {error})"]
+    try:
+        import keras
+    except Exception as error:
+        return [f"Keras cannot be imported ({type(error).__name__}: {error})"]
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        return [
+            f"Keras runs on the {backend!r} backend; keras_amp_plus needs "
             "'tensorflow': set KERAS_BACKEND=tensorflow"
-        )
-    return problems
+        ]
+    return []
 
 
 def itex_status() -> dict:
     """Return ITEX's installed version (or None) and whether it imports here."""
+    from keras_amp_plus import _compat
+
     version = None
     for distribution in ITEX_DISTRIBUTIONS:
         try:
@@ -62,6 +65,9 @@ def itex_status() -> dict:
 
 def versions() -> dict:
     """Return the versions of Python, TensorFlow, Keras, keras_amp_plus and ITEX."""
+    import keras
+    import tensorflow as tf
+
     from keras_amp_plus import __version__
 
     return {
@@ -76,26 +82,23 @@ def versions() -> dict:
 
 def onednn_status() -> dict:
     """Return whether oneDNN kernels are on and the `TF_ENABLE_ONEDNN_OPTS` value."""
+    from keras_amp_plus import _compat
+
     return {
         "enabled": _compat.onednn_enabled(),
         "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
     }
 
 
-def cpu_status(cpuinfo_path: str = cpu_features.CPUINFO_PATH) -> dict:
+def cpu_status(cpuinfo_path: str = _hardware.CPUINFO_PATH) -> dict:
     """Return the CPU model and its low-precision features (None when unknown)."""
-    text = cpu_features.read_cpuinfo(cpuinfo_path)
-    flags = None if text is None else cpu_features.parse_cpu_flags(text)
-    return {
-        "system": platform.system(),
-        "machine": platform.machine(),
-        "model": None if text is None else cpu_features.parse_cpu_model(text),
-        "features": cpu_features.low_precision_features(flags),
-    }
+    return _hardware.cpu_facts(cpuinfo_path)
 
 
 def device_list() -> list:
     """Return the visible physical devices as `{"name", "type"}` dicts."""
+    import tensorflow as tf
+
     return [
         {"name": device.name, "type": device.device_type}
         for device in tf.config.list_physical_devices()
@@ -108,6 +111,8 @@ def fit_xla_status() -> dict:
     Asks Keras itself: a tiny model compiled with `jit_compile="auto"` reports
     what it resolved to (False on CPU-only machines and under tf.distribute).
     """
+    import keras
+
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse", jit_compile="auto")
     return {"jit_compile": bool(model.jit_compile)}
@@ -115,6 +120,9 @@ def fit_xla_status() -> dict:
 
 def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
     """Collect everything the doctor reports, including the recommendation.
+
+    The probe's bfloat16 figure is cached on disk for `AMPMonitor`'s check
+    (`keras_amp_plus._hardware.bfloat16_outlook`).
 
     Args:
         probe_seconds: time budget of the matmul probe. Defaults to `2.0`.
@@ -124,14 +132,17 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
         A JSON-serializable dict with keys `"versions"`, `"onednn"`, `"cpu"`,
         `"devices"`, `"xla"`, `"probe"` and `"recommendation"`.
     """
+    from keras_amp_plus import _matmul_probe
+
     facts = {
         "versions": versions(),
         "onednn": onednn_status(),
         "cpu": cpu_status(),
         "devices": device_list(),
         "xla": fit_xla_status(),
-        "probe": matmul_probe.probe_matmul_throughput(probe_seconds, probe_size),
+        "probe": _matmul_probe.probe_matmul_throughput(probe_seconds, probe_size),
     }
+    _hardware.bfloat16_outlook(probe=facts["probe"])  # caches the figure
     speedups = {
         dtype: result.get("speedup_vs_float32")
         for dtype, result in facts["probe"]["results"].items()
@@ -141,6 +152,7 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
         features=facts["cpu"]["features"],
         onednn=facts["onednn"]["enabled"],
         fit_uses_xla=facts["xla"]["jit_compile"],
+        onednn_env=facts["onednn"]["TF_ENABLE_ONEDNN_OPTS"],
     )
     return facts
 
@@ -153,7 +165,8 @@ def main(json_output: bool = False, probe_seconds: float = 2.0) -> int:
         probe_seconds: time budget of the matmul probe. Defaults to `2.0`.
 
     Returns:
-        0, or 1 when the stack cannot run keras_amp_plus (message on stderr).
+        0, or 1 when the stack cannot run keras_amp_plus (the problem, and
+        the CPU facts that need no TensorFlow, on stderr).
     """
     if probe_seconds <= 0:
         raise ValueError(
@@ -163,6 +176,8 @@ def main(json_output: bool = False, probe_seconds: float = 2.0) -> int:
     if problems:
         for problem in problems:
             print(f"keras_amp_plus doctor: {problem}", file=sys.stderr)
+        cpu = cpu_status()
+        print(f"keras_amp_plus doctor: CPU: {json.dumps(cpu)}", file=sys.stderr)
         return 1
     facts = gather_facts(probe_seconds)
     print(json.dumps(facts, indent=2) if json_output else doctor_text.render(facts))

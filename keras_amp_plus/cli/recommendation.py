@@ -1,0 +1,159 @@
+"""Turn the machine's facts into a dtype policy recommendation.
+
+The bfloat16 verdict is `keras_amp_plus._hardware.speedup_verdict`, the one
+`AMPMonitor` uses too: where the hardware decides (no bfloat16 instructions,
+or oneDNN off) it follows the hardware, elsewhere the measured matmul speed-up
+with a band of "no clear difference" around 1x, so the advice does not flip
+from run to run. float16 is recommended only when it is clearly faster than
+bfloat16 too (it costs loss scaling).
+"""
+
+from collections.abc import Mapping
+
+from keras_amp_plus import _hardware
+
+FASTER_THRESHOLD = _hardware.FASTER_THRESHOLD
+SLOWER_THRESHOLD = _hardware.SLOWER_THRESHOLD
+FLOAT32_INSTEAD = (
+    "train in float32 (keras_amp_plus's layers are faster than Keras's in "
+    "float32 too); bfloat16 pays on CPUs with AMX-BF16 or AVX512-BF16 (Intel "
+    "Xeon 4th generation and later) with oneDNN on"
+)
+
+
+def describe_speedup(speedup: float) -> str:
+    """Return `speedup` (low precision / float32 throughput) in words.
+
+    Args:
+        speedup: float32 time divided by the low-precision time.
+
+    Example:
+    >>> describe_speedup(4.31)
+    '4.3x faster than float32'
+    >>> describe_speedup(0.4)
+    '2.5x slower than float32'
+    >>> describe_speedup(1.02)
+    'about as fast as float32 (1.02x)'
+    """
+    if speedup >= FASTER_THRESHOLD:
+        return f"{speedup:.1f}x faster than float32"
+    if speedup <= SLOWER_THRESHOLD:
+        return f"{1.0 / speedup:.1f}x slower than float32"
+    return f"about as fast as float32 ({speedup:.2f}x)"
+
+
+def _choose_policy(verdict: str, bfloat16, float16) -> str:
+    """Return the policy: bfloat16 when it pays, float16 only when clearly faster."""
+    float16_fast = float16 is not None and float16 >= FASTER_THRESHOLD
+    if float16_fast and float16 >= (bfloat16 or 0.0) * FASTER_THRESHOLD:
+        return "mixed_float16"
+    return "mixed_bfloat16" if verdict == "faster" else "float32"
+
+
+def _summary(verdict, bfloat16, float16, policy, reason) -> str:
+    """Return the headline sentence: the chosen policy and the evidence for it."""
+    if policy == "mixed_float16":
+        return (
+            f"float16 matmuls run {describe_speedup(float16)} here "
+            f"(bfloat16: {bfloat16 or 0.0:.1f}x): use mixed_float16 with "
+            "keras_amp_plus.optimizers.LossScaleOptimizer"
+        )
+    if verdict == "slower":
+        return (
+            f"WARNING: mixed_bfloat16 would slow training here: {reason}. "
+            f"Instead, {FLOAT32_INSTEAD}"
+        )
+    if bfloat16 is None:
+        if verdict == "faster":
+            return "this CPU has bfloat16 instructions and oneDNN: use mixed_bfloat16"
+        return "bfloat16 matmuls could not be measured here: keep float32"
+    sentence = f"bfloat16 matmuls run {describe_speedup(bfloat16)} here"
+    if policy == "mixed_bfloat16":
+        return f"{sentence}: use mixed_bfloat16"
+    return (
+        f"{sentence}, no clear difference: mixed_bfloat16 saves memory, not "
+        "time; float32 is fine"
+    )
+
+
+def _float16_note(float16: float | None, policy: str) -> str | None:
+    """Return the sentence about float16 when it is not the headline, else None."""
+    if float16 is None or policy == "mixed_float16":
+        return None
+    sentence = f"float16 matmuls run {describe_speedup(float16)} here"
+    if float16 <= SLOWER_THRESHOLD:
+        return f"{sentence}: use mixed_float16 to test loss scaling, not for speed"
+    return f"{sentence}; bfloat16 needs no loss scaling"
+
+
+def _onednn_warning(features, onednn, onednn_env) -> str | None:
+    """Return advice about the oneDNN switch that fits what the environment holds."""
+    if onednn is not False:
+        return None
+    if onednn_env is None:
+        how = "it is off by default on this CPU; set TF_ENABLE_ONEDNN_OPTS=1"
+    else:
+        how = f"TF_ENABLE_ONEDNN_OPTS={onednn_env} turns it off; set it to 1"
+    sentence = (
+        f"oneDNN is off ({how} before TensorFlow is imported): the grappler "
+        "engine's bfloat16 rewrite needs it"
+    )
+    if _hardware.has_any(features, _hardware.BFLOAT16_FLAGS) is False:
+        sentence += ", but on this CPU it will not make bfloat16 fast"
+    else:
+        sentence += ", and so do TensorFlow's fast bfloat16 CPU kernels"
+    return sentence
+
+
+def recommend(
+    speedups: Mapping[str, float | None],
+    features: Mapping[str, bool] | None = None,
+    onednn: bool | None = None,
+    fit_uses_xla: bool = False,
+    onednn_env: str | None = None,
+) -> dict:
+    """Recommend a Keras dtype policy from the machine's facts.
+
+    Args:
+        speedups: `{"bfloat16": x, "float16": y}`, each the float32 matmul time
+            divided by that dtype's (None or missing when it could not run).
+        features: CPU features from `_hardware.low_precision_features`.
+            Defaults to `None` (unknown).
+        onednn: whether TensorFlow's oneDNN kernels are on. Defaults to `None`.
+        fit_uses_xla: whether Keras would XLA-compile `fit` here. Defaults to
+            `False`.
+        onednn_env: the value of `TF_ENABLE_ONEDNN_OPTS` (None when unset),
+            so the advice names the right fix. Defaults to `None`.
+
+    Returns:
+        A dict with `"policy"` (`"float32"`, `"mixed_bfloat16"` or
+        `"mixed_float16"`), `"verdict"` (bfloat16 vs float32: "faster",
+        "slower", "no clear difference" or "unknown"), `"summary"` (one
+        sentence), `"warnings"` and `"notes"` (lists of sentences).
+
+    Example:
+    >>> advice = recommend({"bfloat16": 4.3, "float16": 0.4})
+    >>> advice["summary"]
+    'bfloat16 matmuls run 4.3x faster than float32 here: use mixed_bfloat16'
+    >>> recommend({"bfloat16": 0.25})["policy"]
+    'float32'
+    """
+    bfloat16, float16 = speedups.get("bfloat16"), speedups.get("float16")
+    verdict = _hardware.speedup_verdict(bfloat16, features, onednn)
+    policy = _choose_policy(verdict, bfloat16, float16)
+    reason = _hardware.slow_bfloat16_reason(features, onednn, bfloat16)
+    warnings = [w for w in [_onednn_warning(features, onednn, onednn_env)] if w]
+    if fit_uses_xla:
+        warnings.append(
+            "Keras XLA-compiles `fit` here (jit_compile='auto' -> True): graph AMP "
+            "(grappler/ITEX op lists) does not touch XLA functions; pass "
+            "jit_compile=False to compile() to use op-level lists"
+        )
+    float16_note = _float16_note(float16, policy)
+    return {
+        "policy": policy,
+        "verdict": verdict,
+        "summary": _summary(verdict, bfloat16, float16, policy, reason),
+        "warnings": warnings,
+        "notes": [float16_note] if float16_note else [],
+    }

@@ -194,10 +194,11 @@ def _table(header: tuple, rows: list, markdown: bool) -> list:
         lines.insert(1, "|" + "---|" * len(header))
         return lines
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+    padded = [
+        [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
         for row in cells
     ]
+    return ["  ".join(row).rstrip() for row in padded]
 
 
 class PrecisionReport(dict):
@@ -218,8 +219,8 @@ class PrecisionReport(dict):
             headline += " (XLA-compiled: graph rewrites do not apply)"
         header = ("layer", "class", "policy", "compute", "variables")
         rows = [
-            (row["path"], row["class_name"], row["policy"], row["compute_dtype"])
-            + (row["variable_dtype"],)
+            tuple(row[key] for key in ("path", "class_name", "policy"))
+            + tuple(row[key] for key in ("compute_dtype", "variable_dtype"))
             for row in self["layers"]
         ]
         lines = [headline, *_table(header, rows, markdown)]

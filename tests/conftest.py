@@ -161,6 +161,4 @@ def pytest_collection_modifyitems(config, items):
             str(config.rootpath), [item.nodeid for item in module_items]
         )
         for item in module_items:
-            item.runtest = lambda item=item, runner=runner: _run_delegated(
-                item, runner
-            )
+            item.runtest = lambda item=item, runner=runner: _run_delegated(item, runner)

@@ -40,9 +40,7 @@ y = np.zeros((32, 2), "float32")
 
 
 def _child(body: str, **environment) -> str:
-    return run_python(
-        CHILD_SETUP + body, TF_ENABLE_ONEDNN_OPTS="0", **environment
-    )
+    return run_python(CHILD_SETUP + body, TF_ENABLE_ONEDNN_OPTS="0", **environment)
 
 
 def test_grappler_engine_with_onednn_off_fails_before_the_first_step():

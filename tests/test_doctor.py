@@ -130,8 +130,14 @@ def test_verdict_on_a_cpu_without_bfloat16_is_stable(speedup):
 
 @pytest.mark.parametrize(
     ("speedup", "verdict"),
-    [(0.5, "slower"), (0.87, "slower"), (0.9, "no clear difference")]
-    + [(1.14, "no clear difference"), (1.15, "faster"), (None, "unknown")],
+    [
+        (0.5, "slower"),
+        (0.87, "slower"),
+        (0.9, "no clear difference"),
+        (1.14, "no clear difference"),
+        (1.15, "faster"),
+        (None, "unknown"),
+    ],
 )
 def test_verdict_band_when_the_hardware_is_unknown(speedup, verdict):
     assert recommend({"bfloat16": speedup})["verdict"] == verdict

@@ -148,7 +148,5 @@ def test_docstring_examples_are_found():
         for name in ALL_MODULES
         for test in finder.find(importlib.import_module(name))
     )
-    assert {"keras_amp_plus._hardware", "keras_amp_plus.cli.doctor"} <= set(
-        ALL_MODULES
-    )
+    assert {"keras_amp_plus._hardware", "keras_amp_plus.cli.doctor"} <= set(ALL_MODULES)
     assert examples >= 10

@@ -62,9 +62,9 @@ def graph_rewrite_switched_on() -> str | None:
     >>> graph_rewrite_switched_on() is None
     True
     """
-    if _compat.itex_module() is not None:
-        if os.environ.get("ITEX_AUTO_MIXED_PRECISION", "").strip() == "1":
-            return "itex"
+    itex_env = os.environ.get("ITEX_AUTO_MIXED_PRECISION", "").strip()
+    if itex_env == "1" and _compat.itex_module() is not None:
+        return "itex"
     options = tf.config.optimizer.get_experimental_options()
     if any(options.get(name) for name in GRAPPLER_OPTIONS):
         return "grappler"

@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test lint bench doctor clean
+.PHONY: demo test lint bench bench-quick doctor clean
 
 $(PY): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,14 @@ test: $(PY)
 	$(PY) -m pytest tests
 	$(PY) -m pytest --nbmake notebooks
 
+BENCHMARKS := benchmarks/layers.py benchmarks/loss_scale.py benchmarks/monitor.py
+
 bench: $(PY)
-	$(PY) benchmarks/layers.py
-	$(PY) benchmarks/loss_scale.py
-	$(PY) benchmarks/monitor.py
+	for script in $(BENCHMARKS); do $(PY) $$script || exit 1; done
+
+# CI-sized runs of every benchmark (results go to *_quick.json).
+bench-quick: $(PY)
+	for script in $(BENCHMARKS); do $(PY) $$script --quick || exit 1; done
 
 doctor: $(PY)
 	$(PY) -m keras_amp_plus doctor

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
 import time
 
@@ -35,6 +34,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
+from machine import print_header
 
 from keras_amp_plus.optimizers import LossScaleOptimizer
 
@@ -215,6 +215,7 @@ def parse_args():
 
 def main():
     args = parse_args()
+    machine = print_header("LossScaleOptimizer train-step overhead, ours vs Keras's")
     policy_before = keras.config.dtype_policy()
     try:
         rows = []
@@ -234,12 +235,7 @@ def main():
             "steps": args.steps,
             "model_sizes_batch_features_width_depth": args.sizes,
         },
-        "machine": {
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "tensorflow": tf.__version__,
-            "keras": keras.__version__,
-        },
+        "machine": machine,
         "timer": "time.process_time (process CPU time, all threads) per train step",
         "target_overhead": TARGET_OVERHEAD,
         "worst_overhead_ours": worst,

@@ -195,6 +195,12 @@ def test_recommend_unmeasured_bfloat16():
 def test_recommend_warns_about_onednn_off_and_xla():
     advice = recommend({"bfloat16": 4.0}, onednn=False, fit_uses_xla=True)
     assert advice["verdict"] == "slower"  # oneDNN off: emulated bfloat16
+    capable = dict.fromkeys(NO_FEATURES, True)
+    advice_on_amx = recommend({"bfloat16": 0.8}, features=capable, onednn=False)
+    assert (
+        "Instead, this CPU has bfloat16 instructions: set "
+        in (advice_on_amx["summary"])
+    )
     assert len(advice["warnings"]) == 2
     assert "oneDNN is off" in advice["warnings"][0]
     assert "jit_compile=False" in advice["warnings"][1]

@@ -50,7 +50,18 @@ def _choose_policy(verdict: str, bfloat16, float16) -> str:
     return "mixed_bfloat16" if verdict == "faster" else "float32"
 
 
-def _summary(verdict, bfloat16, float16, policy, reason) -> str:
+def _instead(features, onednn) -> str:
+    """Return what to do instead of a slow mixed_bfloat16."""
+    capable = _hardware.has_any(features, _hardware.BFLOAT16_FLAGS)
+    if capable and onednn is False:
+        return (
+            "this CPU has bfloat16 instructions: set TF_ENABLE_ONEDNN_OPTS=1 "
+            "before TensorFlow is imported, or train in float32"
+        )
+    return FLOAT32_INSTEAD
+
+
+def _summary(verdict, bfloat16, float16, policy, reason, instead) -> str:
     """Return the headline sentence: the chosen policy and the evidence for it."""
     if policy == "mixed_float16":
         return (
@@ -61,7 +72,7 @@ def _summary(verdict, bfloat16, float16, policy, reason) -> str:
     if verdict == "slower":
         return (
             f"WARNING: mixed_bfloat16 would slow training here: {reason}. "
-            f"Instead, {FLOAT32_INSTEAD}"
+            f"Instead, {instead}"
         )
     if bfloat16 is None:
         if verdict == "faster":
@@ -153,7 +164,9 @@ def recommend(
     return {
         "policy": policy,
         "verdict": verdict,
-        "summary": _summary(verdict, bfloat16, float16, policy, reason),
+        "summary": _summary(
+            verdict, bfloat16, float16, policy, reason, _instead(features, onednn)
+        ),
         "warnings": warnings,
         "notes": [float16_note] if float16_note else [],
     }

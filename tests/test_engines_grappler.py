@@ -266,4 +266,8 @@ def test_an_own_temporary_dump_dir_is_pruned_and_deleted(monkeypatch):
     engine.restore()
     del engine
     gc.collect()
+    # The model keeps its last engine (and so the dumps) for precision_report.
+    assert os.path.isdir(log_dir)
+    del model
+    gc.collect()
     assert not os.path.exists(log_dir)

@@ -113,7 +113,9 @@ class GrapplerEngine(Engine):
             None: the user's `TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LOG_PATH`
             if set, else a temporary directory owned by the engine, which
             keeps the dumps of the last `KEPT_DUMPS` applies only and is
-            deleted when the engine is garbage-collected or Python exits.
+            deleted when the engine is garbage-collected (it lives as long
+            as a model it applied to, so `precision_report(model)` can read
+            the dumps) or when Python exits.
             Dumps in a directory you chose are yours to delete.
         dump_graphs: whether to dump the rewritten graphs (needed by
             `precision_report`). Defaults to True.

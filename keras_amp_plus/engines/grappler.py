@@ -240,7 +240,9 @@ class GrapplerEngine(Engine):
         if self._saved_environment is None:
             self._saved_environment, self._saved_options = before
         self.dump_dir = dump_dir or self.dump_dir
-        self._model = model
+        # Weakly: the model keeps its last engine (remember_engine), and a
+        # strong reference back would keep both alive forever.
+        self._model = weakref.ref(model)
         remember_engine(model, self)
 
     def restore(self) -> None:
@@ -249,6 +251,7 @@ class GrapplerEngine(Engine):
             return
         self._put_back(self._saved_environment, self._saved_options)
         self._saved_environment = self._saved_options = None
-        if self._model is not None:
+        model = self._model() if self._model is not None else None
+        if model is not None:
             # The cached functions were optimized under the engine's lists.
-            rebuild_functions(self._model)
+            rebuild_functions(model)

@@ -16,9 +16,9 @@ import pytest
 import tensorflow as tf
 from tensorboard.backend.event_processing import event_accumulator
 
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import AMPMonitor
 from keras_amp_plus.optimizers import LossScaleOptimizer
-from keras_amp_plus.policy import PrecisionLists
 
 BATCH, SAMPLES = 16, 128
 STEPS_PER_EPOCH = SAMPLES // BATCH

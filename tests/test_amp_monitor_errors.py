@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from test_amp_monitor import overflow_model, read_jsonl, regression_data
 
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import AMPMonitor
 from keras_amp_plus.optimizers import LossScaleOptimizer
-from keras_amp_plus.policy import PrecisionLists
 
 
 def fit_one_epoch(model, monitor):
@@ -62,7 +62,9 @@ def test_op_lists_with_the_layer_engine(tmp_path):
     monitor = AMPMonitor(
         str(tmp_path), engine="keras", lists=PrecisionLists(deny_ops=("Softmax",))
     )
-    with pytest.raises(ValueError, match="works on layers"):
+    with pytest.raises(
+        ValueError, match="works on layers; op-type lists need a graph engine"
+    ):
         fit_one_epoch(model, monitor)
 
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import attribution, event_log, state
 from keras_amp_plus.callbacks.adaptation import AdaptationRule, Decision
 from keras_amp_plus.callbacks.list_editor import ListEditor
 from keras_amp_plus.engines import GrapplerEngine, KerasEngine
-from keras_amp_plus.policy import PrecisionLists
 
 
 def moves(decisions):

@@ -2,9 +2,14 @@ import keras
 import pytest
 
 from keras_amp_plus import _compat
-from keras_amp_plus.engines import ItexEngine, itex_list_fields, merge_list_fields
-from keras_amp_plus.engines.op_lists import FIELD_NAMES, op_placements
-from keras_amp_plus.policy import PrecisionLists
+from keras_amp_plus._lists.list_fields import (
+    FIELD_NAMES,
+    merge_list_fields,
+    op_placements,
+)
+from keras_amp_plus._lists.precision_lists import PrecisionLists
+from keras_amp_plus.engines import ItexEngine
+from keras_amp_plus.engines.itex import itex_list_fields
 
 
 def _model():

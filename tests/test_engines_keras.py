@@ -2,9 +2,9 @@ import keras
 import numpy as np
 import pytest
 
+from keras_amp_plus._lists.layer_names import candidate_layers
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.engines import KerasEngine, resolve_engine
-from keras_amp_plus.engines.layer_matching import candidate_layers
-from keras_amp_plus.policy import PrecisionLists
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 LOW = {"float32": "bfloat16", "mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}

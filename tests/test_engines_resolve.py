@@ -3,6 +3,7 @@ import pytest
 import tensorflow as tf
 
 from keras_amp_plus import _compat
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.engines import (
     GrapplerEngine,
     ItexEngine,
@@ -10,7 +11,6 @@ from keras_amp_plus.engines import (
     resolve_engine,
 )
 from keras_amp_plus.engines.resolve import check_engine_name
-from keras_amp_plus.policy import PrecisionLists
 
 
 def _model(layer_dtype=None):

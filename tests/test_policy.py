@@ -4,13 +4,13 @@ import json
 import keras
 import pytest
 
-from keras_amp_plus.engines.op_types import (
+from keras_amp_plus._lists.op_types import (
     ACTIVATION_OP_TYPES,
     LAYER_OP_TYPES,
     known_op_types,
     op_types_for_layer,
 )
-from keras_amp_plus.policy import PrecisionLists
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 
 FULL = PrecisionLists(
     allow_layers=("dense.*",),

@@ -5,12 +5,12 @@ import keras
 import pytest
 import tensorflow as tf
 
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.engines import GrapplerEngine, KerasEngine
 from keras_amp_plus.engines.grappler import (
     GRAPPLER_OPTION,
     LOG_PATH_VARIABLE,
 )
-from keras_amp_plus.policy import PrecisionLists
 from keras_amp_plus.report import precision_report, read_rewrite_dump
 
 DENY_ADD = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD"

@@ -5,11 +5,11 @@ import logging
 
 import keras
 
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import checks, monitor_session
 from keras_amp_plus.callbacks.adaptation import AdaptationRule
 from keras_amp_plus.callbacks.event_log import changes_markdown
 from keras_amp_plus.callbacks.state import MonitorState
-from keras_amp_plus.policy import PrecisionLists
 
 logger = logging.getLogger("keras_amp_plus")
 

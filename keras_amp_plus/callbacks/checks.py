@@ -6,11 +6,11 @@ without an optimizer, an unknown or unavailable engine, op lists with a layer
 engine, list entries naming no layer, a read interval the ring cannot cover.
 """
 
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks.event_log import check_writable
 from keras_amp_plus.callbacks.hardware_check import warn_once_if_bfloat16_is_slow
 from keras_amp_plus.engines import resolve_engine
 from keras_amp_plus.engines.itex import require_itex
-from keras_amp_plus.policy import OP_FIELDS, PrecisionLists
 
 DEFAULT_CAPACITY = 64
 
@@ -74,14 +74,7 @@ def check_fit_setup(monitor, model):
     if engine.name == "itex":
         require_itex()  # fail now, not at the first list change
     engine.check_available(model)  # e.g. grappler with oneDNN off
-    if engine.level == "layer":
-        ops = {f: getattr(monitor.lists, f) for f in OP_FIELDS}
-        if any(ops.values()):
-            raise ValueError(
-                f"Engine {engine.name!r} works on layers, but `lists` holds op "
-                "types. Use engine='grappler' (or 'itex') for op lists, or name "
-                f"layers instead. Received: {ops}"
-            )
+    engine.check_lists(monitor.lists)
     monitor.lists.matching_layers(model)
     warn_once_if_bfloat16_is_slow(model)
     return engine

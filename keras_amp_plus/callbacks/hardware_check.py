@@ -10,7 +10,7 @@ machine where no figure is cached yet, never once per `fit`).
 import logging
 
 from keras_amp_plus import _hardware
-from keras_amp_plus.engines import layer_matching
+from keras_amp_plus._lists import layer_names
 
 logger = logging.getLogger("keras_amp_plus")
 _warned = []  # one entry once the warning was given in this process
@@ -18,7 +18,7 @@ _warned = []  # one entry once the warning was given in this process
 
 def computes_in_bfloat16(model) -> bool:
     """Return True when the model or any of its layers computes in bfloat16."""
-    layers = [model, *layer_matching.candidate_layers(model)]
+    layers = [model, *layer_names.candidate_layers(model)]
     return any(layer.dtype_policy.compute_dtype == "bfloat16" for layer in layers)
 
 

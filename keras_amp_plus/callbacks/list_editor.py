@@ -14,7 +14,7 @@ denied while another monitor-denied layer still needs it.
 """
 
 from keras_amp_plus import _compat
-from keras_amp_plus.engines import layer_matching
+from keras_amp_plus._lists import layer_names
 
 
 class ListEditor:
@@ -33,7 +33,7 @@ class ListEditor:
 
     def denied_layers(self, model, lists) -> set:
         """Return the paths of the layers running in float32 under `lists`."""
-        decisions = layer_matching.layer_decisions(
+        decisions = layer_names.layer_decisions(
             model, lists.allow_layers, lists.deny_layers
         )
         denied = {

@@ -6,6 +6,7 @@
 
 import logging
 
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import checks
 from keras_amp_plus.callbacks import state as state_module
 from keras_amp_plus.callbacks.attribution import LayerIndex
@@ -17,7 +18,6 @@ from keras_amp_plus.callbacks.step_recorder import (
     SCALER_NONE,
     StepRecorder,
 )
-from keras_amp_plus.policy import PrecisionLists
 
 logger = logging.getLogger("keras_amp_plus")
 

@@ -4,18 +4,18 @@
 - `grappler`: op level, stock TensorFlow's `auto_mixed_precision_onednn_bfloat16`
   rewrite and its `TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_*` lists.
 - `itex`: op level, ITEX's `itex.set_config` (ITEX stack only).
-- `auto`: itex if importable, else keras for a mixed-policy model, else grappler.
+- `auto`: the layer engine, unless the lists hold op types or a graph rewrite
+  is already on (see `keras_amp_plus.engines.resolve`).
 
 Graph engines translate layer entries to op types with `op_types_for_layer`
-(the mapping is documented in `keras_amp_plus.engines.op_types`).
+(the mapping is documented in `keras_amp_plus._lists.op_types`).
 """
 
+from keras_amp_plus._lists.op_types import op_types_for_layer
 from keras_amp_plus.engines.base import Engine, rebuild_functions
 from keras_amp_plus.engines.grappler import GrapplerEngine
-from keras_amp_plus.engines.itex import ItexEngine, itex_list_fields
+from keras_amp_plus.engines.itex import ItexEngine
 from keras_amp_plus.engines.keras_engine import KerasEngine
-from keras_amp_plus.engines.op_lists import merge_list_fields, op_placements
-from keras_amp_plus.engines.op_types import op_types_for_layer
 from keras_amp_plus.engines.resolve import resolve_engine
 
 __all__ = [
@@ -23,9 +23,6 @@ __all__ = [
     "GrapplerEngine",
     "ItexEngine",
     "KerasEngine",
-    "itex_list_fields",
-    "merge_list_fields",
-    "op_placements",
     "op_types_for_layer",
     "rebuild_functions",
     "resolve_engine",

@@ -8,17 +8,13 @@ with `make_*_function(force=True)`. It never sets `train_function = None`:
 replacing it is safe between epochs, deleting it is not.
 """
 
-import typing
 import warnings
 import weakref
 
 import keras
 
-from keras_amp_plus.engines.op_types import op_types_for_layer
-
-if typing.TYPE_CHECKING:  # policy.py imports this package
-    from keras_amp_plus.policy import PrecisionLists
-
+from keras_amp_plus._lists.op_types import op_types_for_layer
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 
 # The engine that last took effect on each model, for `precision_report(model)`.
 _LAST_ENGINES = weakref.WeakKeyDictionary()
@@ -76,7 +72,7 @@ class Engine:
     name = "engine"
     level = "op"
 
-    def apply(self, model: keras.Model, lists: "PrecisionLists") -> None:
+    def apply(self, model: keras.Model, lists: PrecisionLists) -> None:
         """Make `lists` take effect for `model`, then rebuild its functions.
 
         Args:
@@ -84,6 +80,13 @@ class Engine:
             lists: a `keras_amp_plus.PrecisionLists`.
         """
         raise NotImplementedError
+
+    def check_lists(self, lists: PrecisionLists) -> None:
+        """Raise when `lists` holds entries this engine cannot apply (default: none).
+
+        Args:
+            lists: a `keras_amp_plus.PrecisionLists`.
+        """
 
     def check_available(self, model: keras.Model) -> None:
         """Raise a clear error if this engine cannot work here (default: it can).
@@ -95,7 +98,7 @@ class Engine:
             model: the Keras model the engine will act on.
         """
 
-    def start(self, model: keras.Model, lists: "PrecisionLists") -> None:
+    def start(self, model: keras.Model, lists: PrecisionLists) -> None:
         """Make the engine take effect at the start of training.
 
         A layer engine has nothing to do for empty lists (the dtype policies
@@ -108,7 +111,7 @@ class Engine:
             lists: a `keras_amp_plus.PrecisionLists`.
         """
         remember_engine(model, self)
-        if lists != type(lists)():
+        if lists != PrecisionLists():
             self.apply(model, lists)
 
     def restore(self) -> None:

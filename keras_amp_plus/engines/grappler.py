@@ -21,27 +21,24 @@ import os
 import re
 import shutil
 import tempfile
-import typing
 import weakref
 
 import keras
 import tensorflow as tf
 
 from keras_amp_plus import _compat
+from keras_amp_plus._lists.list_fields import (
+    FIELD_NAMES,
+    merge_list_fields,
+    op_placements,
+)
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.engines.base import (
     Engine,
     rebuild_functions,
     remember_engine,
     warn_if_xla,
 )
-from keras_amp_plus.engines.op_lists import (
-    FIELD_NAMES,
-    merge_list_fields,
-    op_placements,
-)
-
-if typing.TYPE_CHECKING:  # policy.py imports this package
-    from keras_amp_plus.policy import PrecisionLists
 
 ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
 LOG_PATH_VARIABLE = ENV_PREFIX + "LOG_PATH"
@@ -196,7 +193,7 @@ class GrapplerEngine(Engine):
         del model
         check_onednn_enabled()
 
-    def start(self, model: keras.Model, lists: "PrecisionLists") -> None:
+    def start(self, model: keras.Model, lists: PrecisionLists) -> None:
         """Switch the rewrite on, with `lists` (TensorFlow's defaults if empty).
 
         Args:
@@ -205,7 +202,7 @@ class GrapplerEngine(Engine):
         """
         self.apply(model, lists)
 
-    def apply(self, model: keras.Model, lists: "PrecisionLists") -> None:
+    def apply(self, model: keras.Model, lists: PrecisionLists) -> None:
         """Set the grappler option and list variables, then rebuild functions.
 
         Bad lists, and oneDNN being off, raise before anything changes; if a

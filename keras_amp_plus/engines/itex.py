@@ -14,20 +14,17 @@ pure function tested everywhere.
 """
 
 import os
-import typing
 
 import keras
 
 from keras_amp_plus import _compat
-from keras_amp_plus.engines.base import Engine, rebuild_functions, warn_if_xla
-from keras_amp_plus.engines.op_lists import (
+from keras_amp_plus._lists.list_fields import (
     FIELD_NAMES,
     merge_list_fields,
     op_placements,
 )
-
-if typing.TYPE_CHECKING:  # policy.py imports this package
-    from keras_amp_plus.policy import PrecisionLists
+from keras_amp_plus._lists.precision_lists import PrecisionLists
+from keras_amp_plus.engines.base import Engine, rebuild_functions, warn_if_xla
 
 ENV_PREFIX = "ITEX_AUTO_MIXED_PRECISION_"
 INSTALL_HINT = (
@@ -98,7 +95,7 @@ class ItexEngine(Engine):
         self._saved_config = None
         self._model = None
 
-    def apply(self, model: keras.Model, lists: "PrecisionLists") -> None:
+    def apply(self, model: keras.Model, lists: PrecisionLists) -> None:
         """Set ITEX's AMP lists from `itex.get_config()`, then rebuild.
 
         Args:

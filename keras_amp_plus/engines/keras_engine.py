@@ -10,16 +10,12 @@ Policies are swapped with the `layer.dtype_policy` setter: variables stay as
 they are (float32 / mixed_bfloat16 / mixed_float16 all keep float32 variables).
 """
 
-import typing
-
 import keras
 
 from keras_amp_plus import _compat
-from keras_amp_plus.engines import layer_matching
+from keras_amp_plus._lists import layer_names
+from keras_amp_plus._lists.precision_lists import OP_FIELDS, PrecisionLists
 from keras_amp_plus.engines.base import Engine, rebuild_functions, remember_engine
-
-if typing.TYPE_CHECKING:  # policy.py imports this package
-    from keras_amp_plus.policy import PrecisionLists
 
 DEFAULT_MIXED_POLICY = "mixed_bfloat16"
 
@@ -34,7 +30,7 @@ def is_mixed(policy) -> bool:
 
 def model_uses_mixed_policy(model) -> bool:
     """Return True when the global policy or any of the model's layers is mixed."""
-    layers = [model, *layer_matching.candidate_layers(model)]
+    layers = [model, *layer_names.candidate_layers(model)]
     return is_mixed(_compat.global_policy()) or any(
         is_mixed(layer.dtype_policy) for layer in layers
     )
@@ -66,7 +62,7 @@ class KerasEngine(Engine):
     def mixed_policy(self, model):
         """Return the policy allowed layers get (see the module docstring)."""
         originals = [policy for _, policy in self._original_policies.values()]
-        layers = layer_matching.candidate_layers(model)
+        layers = layer_names.candidate_layers(model)
         candidates = [
             model.dtype_policy,
             *originals,
@@ -79,30 +75,20 @@ class KerasEngine(Engine):
                 return _compat.dtype_policy(f"mixed_{policy.compute_dtype}")
         return _compat.dtype_policy(DEFAULT_MIXED_POLICY)
 
-    def apply(self, model: keras.Model, lists: "PrecisionLists") -> None:
+    def apply(self, model: keras.Model, lists: PrecisionLists) -> None:
         """Set every listed layer's dtype policy, then rebuild the functions.
 
         Args:
             model: the Keras model the lists refer to.
             lists: a `keras_amp_plus.PrecisionLists` without op lists.
         """
-        op_entries = {
-            field: getattr(lists, field)
-            for field in ("allow_ops", "infer_ops", "clear_ops", "deny_ops")
-            if getattr(lists, field)
-        }
-        if op_entries:
-            raise ValueError(
-                "The 'keras' engine works on layers; op-type lists need a graph "
-                "engine. Use engine='grappler' (or 'itex'), or move the entries "
-                f"to `allow_layers`/`deny_layers`. Received: {op_entries}"
-            )
-        decisions = layer_matching.layer_decisions(
+        self.check_lists(lists)
+        decisions = layer_names.layer_decisions(
             model, lists.allow_layers, lists.deny_layers
         )
         mixed = self.mixed_policy(model)
         float32 = _compat.dtype_policy("float32")
-        for layer in layer_matching.candidate_layers(model):
+        for layer in layer_names.candidate_layers(model):
             if id(layer) in decisions:
                 _, kind = decisions[id(layer)]
                 self._original_policies.setdefault(
@@ -114,6 +100,20 @@ class KerasEngine(Engine):
                 self._set_policy(layer, original)
         remember_engine(model, self)
         rebuild_functions(model)
+
+    def check_lists(self, lists: PrecisionLists) -> None:
+        """Raise when `lists` holds op types: they need a graph engine.
+
+        Args:
+            lists: a `keras_amp_plus.PrecisionLists`.
+        """
+        op_entries = {f: getattr(lists, f) for f in OP_FIELDS if getattr(lists, f)}
+        if op_entries:
+            raise ValueError(
+                "The 'keras' engine works on layers; op-type lists need a graph "
+                "engine. Use engine='grappler' (or 'itex'), or move the entries "
+                f"to `allow_layers`/`deny_layers`. Received: {op_entries}"
+            )
 
     @staticmethod
     def _set_policy(layer, policy) -> None:
@@ -131,7 +131,7 @@ def layer_precisions(model: keras.Model) -> list:
         model: a Keras model.
     """
     rows = []
-    for layer in layer_matching.candidate_layers(model):
+    for layer in layer_names.candidate_layers(model):
         if isinstance(layer, keras.Model):
             continue
         policy = layer.dtype_policy

@@ -18,13 +18,13 @@ import keras
 import tensorflow as tf
 
 from keras_amp_plus import _compat
+from keras_amp_plus._lists.precision_lists import OP_FIELDS
 from keras_amp_plus.engines.base import Engine
 from keras_amp_plus.engines.grappler import GRAPPLER_OPTION, GrapplerEngine
 from keras_amp_plus.engines.itex import ItexEngine
 from keras_amp_plus.engines.keras_engine import KerasEngine
 
 ENGINE_NAMES = ("keras", "grappler", "itex", "auto")
-OP_FIELDS = ("allow_ops", "infer_ops", "clear_ops", "deny_ops")
 # `auto_mixed_precision_mkl` is the deprecated name of the same rewrite.
 GRAPPLER_OPTIONS = (GRAPPLER_OPTION, "auto_mixed_precision_mkl")
 

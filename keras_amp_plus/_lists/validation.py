@@ -1,4 +1,4 @@
-"""Validation of `PrecisionLists` fields (see `keras_amp_plus.policy`).
+"""Validation of `PrecisionLists` fields (see `keras_amp_plus._lists.precision_lists`).
 
 Every check raises before an object exists, with the Keras-style message: what
 is wrong, what was expected, how to fix it, and `Received: field=value`.
@@ -7,7 +7,7 @@ is wrong, what was expected, how to fix it, and `Received: field=value`.
 import re
 from collections.abc import Iterable
 
-from keras_amp_plus.engines import op_types
+from keras_amp_plus._lists import op_types
 
 
 def as_names(value, field: str) -> tuple:

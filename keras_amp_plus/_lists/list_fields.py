@@ -14,8 +14,8 @@ Op types the placements do not mention keep the user's base setting.
 
 import warnings
 
-from keras_amp_plus.engines import layer_matching
-from keras_amp_plus.engines.op_types import op_types_for_layer
+from keras_amp_plus._lists import layer_names
+from keras_amp_plus._lists.op_types import op_types_for_layer
 
 LIST_NAMES = ("allow", "infer", "clear", "deny")
 FIELD_NAMES = tuple(
@@ -67,7 +67,7 @@ def merge_list_fields(base, placements) -> dict:
 def _layer_placements(model, lists) -> dict:
     """Translate layer decisions to op types: deny wins over allow."""
     placements = {}
-    decisions = layer_matching.layer_decisions(
+    decisions = layer_names.layer_decisions(
         model, lists.allow_layers, lists.deny_layers
     )
     entries = set(lists.allow_layers) | set(lists.deny_layers)

@@ -15,7 +15,7 @@ REMOVE": a REMOVE wins over an ADD to the same list.
 
 import warnings
 
-from keras_amp_plus.engines.op_lists import FIELD_NAMES, LIST_NAMES, split_op_types
+from keras_amp_plus._lists.list_fields import FIELD_NAMES, LIST_NAMES, split_op_types
 
 ENV_PREFIXES = (
     "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_",

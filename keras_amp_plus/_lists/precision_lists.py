@@ -9,7 +9,7 @@ Two levels, one object:
   class names or regular expressions (full match on name or path). The `keras`
   engine turns them into per-layer dtype policies (deny -> float32, allow ->
   the mixed policy); graph engines translate them to op types
-  (`keras_amp_plus.engines.op_types_for_layer`).
+  (`keras_amp_plus._lists.op_types_for_layer`).
 - op level, `allow_ops` / `infer_ops` / `clear_ops` / `deny_ops`: TensorFlow op
   types, the vocabulary of grappler's and ITEX's auto mixed precision. ALLOW is
   always low precision, INFER follows its inputs unless fed by a DENY op, CLEAR
@@ -21,8 +21,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 
-from keras_amp_plus import policy_checks
-from keras_amp_plus.engines import env_lists, layer_matching
+from keras_amp_plus._lists import env_vars, layer_names, validation
 
 LAYER_FIELDS = ("allow_layers", "deny_layers")
 OP_FIELDS = ("allow_ops", "infer_ops", "clear_ops", "deny_ops")
@@ -59,9 +58,9 @@ class PrecisionLists:
 
     def __post_init__(self):
         for field in LAYER_FIELDS + OP_FIELDS:
-            names = policy_checks.as_names(getattr(self, field), field)
+            names = validation.as_names(getattr(self, field), field)
             object.__setattr__(self, field, names)
-        policy_checks.check_lists(self, LAYER_FIELDS, OP_FIELDS)
+        validation.check_lists(self, LAYER_FIELDS, OP_FIELDS)
 
     def replace(self, **changes) -> "PrecisionLists":
         """Return a copy with some fields replaced (validated like the original).
@@ -82,7 +81,7 @@ class PrecisionLists:
         if target not in fields:
             choices = [field.split("_")[0] for field in fields]
             raise ValueError(f"`to` must be one of {choices}. Received: to={to!r}")
-        names = policy_checks.as_names(names, argument)
+        names = validation.as_names(names, argument)
         changes = {
             field: tuple(n for n in getattr(self, field) if n not in names)
             for field in fields
@@ -147,7 +146,7 @@ class PrecisionLists:
         result = {}
         for field in LAYER_FIELDS:
             entries = getattr(self, field)
-            result.update(layer_matching.matching_layers(model, entries, field))
+            result.update(layer_names.matching_layers(model, entries, field))
         return result
 
     def diff(self, other: "PrecisionLists") -> list[dict]:
@@ -244,8 +243,8 @@ class PrecisionLists:
         ('Mean',)
         """
         environ = os.environ if environ is None else environ
-        placed, read, unrepresented = env_lists.read_env_lists(environ)
-        env_lists.warn_unrepresented(unrepresented)
+        placed, read, unrepresented = env_vars.read_env_lists(environ)
+        env_vars.warn_unrepresented(unrepresented)
         try:
             return cls(**{f"{name}_ops": ops for name, ops in placed.items()})
         except ValueError as error:

@@ -1,185 +1,298 @@
-"""`python -m keras_amp_plus demo`: the three-step workflow on a small model.
+"""`python -m keras_amp_plus demo`: the payoff and the rescue, on this CPU.
 
-Trains a tiny transformer block on generated data (no downloads, well under a
-minute on two cores) with the three things a user does:
+One small transformer classifier, on generated data, trained three ways:
 
-1. swap in `keras_amp_plus.layers.LayerNormalization` and `Swish`;
-2. wrap the optimizer in `keras_amp_plus.optimizers.LossScaleOptimizer`;
-3. add `keras_amp_plus.callbacks.AMPMonitor(log_dir)` to `fit`, next to
-   `keras.callbacks.TensorBoard(log_dir)`.
+1. `float32` with Keras's own layers: the baseline;
+2. the recommended low-precision setup: `mixed_bfloat16`, keras_amp_plus's
+   layers, `LossScaleOptimizer.guard` and `AMPMonitor`. Whether bfloat16 pays
+   on this CPU is decided by the check `doctor` makes (CPU flags, oneDNN, a
+   short matmul probe); when it does not, the demo says so and runs it anyway;
+3. `mixed_float16`, with keras_amp_plus's dynamic loss scaler and
+   `AMPMonitor`: the inputs are raw readings of order 1e5, beyond float16's
+   65504, so the first layer, `embed`, overflows on every step; the monitor
+   names it and moves it to float32, and training goes on.
 
-Under `mixed_float16` the loss scale starts at 2**24 on purpose: the first
-steps overflow float16, so the scaler backs off and the monitor has events to
-log. bfloat16 has float32's range and will normally log none.
+The data is the same in all three runs (raw readings are fine in float32 and
+bfloat16, which has float32's range). A table compares them at the end, and
+each run leaves TensorBoard logs in `<log_dir>/<policy>/`.
 """
 
-import collections
 import json
 import os
+import shutil
+import statistics
+import time
 
 import keras
 import numpy as np
 
-SEQUENCE_LENGTH = 16
+import keras_amp_plus as kap
+
+SEQUENCE_LENGTH = 32
 FEATURES = 32
+WIDTH = 128
+HEADS = 4
+BLOCKS = 2
 CLASSES = 4
-SAMPLES = 1024
-BATCH_SIZE = 32
+BATCH_SIZE = 64
+# 12 steps per epoch: the scaler halves its scale on each overflow step of the
+# first float16 epoch, from 2**15 to 2**3, above its floor of 1.
+TRAIN_SAMPLES = {"default": 768, "quick": 384}
+TEST_SAMPLES = 256
+# Five epochs: the float16 run's culprit is denied after the first and stays in
+# float32 (AMPMonitor tries it again after `patience`=5 clean epochs).
+DEFAULT_EPOCHS = {"default": 5, "quick": 2}
+# Raw sensor-like readings: fine in float32 and bfloat16, Inf in float16.
+READING_SCALE = 1e5
+TEACHER_SEED = 1234
+RUNS = ("float32", "mixed_bfloat16", "mixed_float16")
 
-# float16 overflows above 65504: starting the scale at 2**24 makes the first
-# steps overflow, which shows the scaler backing off and the monitor's events.
-FLOAT16_INITIAL_SCALE = 2.0**24
 
-
-def make_data(samples: int = SAMPLES, seed: int = 0) -> tuple:
-    """Return `(inputs, labels)`: random sequences labelled by a fixed teacher.
+def make_data(samples: int, seed: int = 0) -> tuple:
+    """Return `(inputs, labels)`: raw readings labelled by a fixed teacher.
 
     The label is the arg-max of a fixed random projection of the sequence mean,
-    so there is something to learn and the loss visibly falls.
+    so there is something to learn. The readings are of order `READING_SCALE`
+    (standardizing them would be the real fix; the demo shows the monitor
+    keeping a float16 run alive without it).
 
     Args:
-        samples: number of sequences. Defaults to `1024`.
+        samples: number of sequences.
         seed: NumPy seed. Defaults to `0`.
 
     Example:
     >>> inputs, labels = make_data(samples=8)
     >>> inputs.shape, labels.shape, inputs.dtype.name
-    ((8, 16, 32), (8,), 'float32')
+    ((8, 32, 32), (8,), 'float32')
     """
-    rng = np.random.default_rng(seed)
-    inputs = rng.normal(size=(samples, SEQUENCE_LENGTH, FEATURES)).astype("float32")
-    teacher = rng.normal(size=(FEATURES, CLASSES))
+    # One teacher for every seed: training and test data share their labelling.
+    teacher = np.random.default_rng(TEACHER_SEED).normal(size=(FEATURES, CLASSES))
+    inputs = np.random.default_rng(seed).normal(
+        size=(samples, SEQUENCE_LENGTH, FEATURES)
+    )
     labels = np.argmax(inputs.mean(axis=1) @ teacher, axis=-1).astype("int32")
-    return inputs, labels
+    return (inputs * READING_SCALE).astype("float32"), labels
 
 
-def build_model() -> keras.Model:
-    """Return a one-block transformer classifier built with keras_amp_plus layers.
-
-    Built under the current global dtype policy; the logits layer is float32 so
-    the softmax cross-entropy is computed in float32.
-    """
-    from keras_amp_plus import layers
-
-    inputs = keras.Input((SEQUENCE_LENGTH, FEATURES), name="sequence")
-    x = keras.layers.Dense(64, name="embed")(inputs)
-    attended = keras.layers.MultiHeadAttention(2, 16, name="attention")(x, x)
-    x = layers.LayerNormalization(name="attention_norm")(x + attended)
-    hidden = keras.layers.Dense(128, name="expand")(x)
-    hidden = layers.Swish(name="swish")(hidden)
-    hidden = keras.layers.Dense(64, name="project")(hidden)
-    x = layers.LayerNormalization(name="mlp_norm")(x + hidden)
-    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
-    outputs = keras.layers.Dense(CLASSES, dtype="float32", name="logits")(x)
-    return keras.Model(inputs, outputs, name="amp_demo")
-
-
-def make_optimizer(policy: str):
-    """Return Adam wrapped in keras_amp_plus's LossScaleOptimizer.
-
-    bfloat16 has float32's exponent range, so it needs no loss scaling: it gets
-    the guard mode (scale fixed at 1, non-finite steps skipped and recorded).
-    float16 gets a dynamic scale that starts too high on purpose, so the demo
-    shows the scaler backing off in TensorBoard.
-    """
-    from keras_amp_plus import optimizers
-
-    inner = keras.optimizers.Adam(1e-3)
-    if policy == "mixed_float16":
-        return optimizers.LossScaleOptimizer(inner, initial_scale=FLOAT16_INITIAL_SCALE)
-    return optimizers.LossScaleOptimizer.guard(inner)
-
-
-def train(log_dir: str, epochs: int = 3, policy: str = "mixed_bfloat16") -> tuple:
-    """Train the demo model under `policy`, logging to `log_dir`.
-
-    The global dtype policy is set for the model's construction and restored
-    afterwards.
+def build_model(policy: str, ours: bool) -> keras.Model:
+    """Return a two-block transformer classifier under `policy`.
 
     Args:
-        log_dir: TensorBoard log directory (created if missing).
-        epochs: number of epochs. Defaults to `3`.
-        policy: Keras dtype policy name. Defaults to `"mixed_bfloat16"`.
-
-    Returns:
-        `(model, history, monitor)`.
+        policy: Keras dtype policy name of the model's layers.
+        ours: use keras_amp_plus's `LayerNormalization` and `Swish` instead of
+            Keras's `LayerNormalization` and `Activation("swish")`.
     """
-    from keras_amp_plus import callbacks
-
-    if epochs < 1:
-        raise ValueError(f"`epochs` must be at least 1. Received: epochs={epochs}")
-    previous_policy = keras.config.dtype_policy()
+    norm = kap.layers.LayerNormalization if ours else keras.layers.LayerNormalization
+    swish = (
+        kap.layers.Swish
+        if ours
+        else (lambda name: keras.layers.Activation("swish", name=name))
+    )
+    previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
-        model = build_model()
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((SEQUENCE_LENGTH, FEATURES), name="readings")
+        x = norm(name="embed_norm")(keras.layers.Dense(WIDTH, name="embed")(inputs))
+        for block in range(BLOCKS):
+            attention = keras.layers.MultiHeadAttention(
+                HEADS, WIDTH // HEADS, name=f"attention_{block}"
+            )
+            x = norm(name=f"attention_norm_{block}")(x + attention(x, x))
+            hidden = keras.layers.Dense(4 * WIDTH, name=f"expand_{block}")(x)
+            hidden = swish(name=f"swish_{block}")(hidden)
+            hidden = keras.layers.Dense(WIDTH, name=f"project_{block}")(hidden)
+            x = norm(name=f"mlp_norm_{block}")(x + hidden)
+        x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+        # float32 logits: the softmax cross-entropy is computed in float32.
+        outputs = keras.layers.Dense(CLASSES, dtype="float32", name="logits")(x)
     finally:
-        keras.config.set_dtype_policy(previous_policy)
+        keras.config.set_dtype_policy(previous)
+    return keras.Model(inputs, outputs, name=f"demo_{policy}")
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Record the wall-clock time of every train step (callbacks included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = []
+        self._start = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        """Start the clock."""
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        """Stop the clock (after the callbacks listed before this one)."""
+        self.seconds.append(time.perf_counter() - self._start)
+
+    def steps_per_second(self) -> float:
+        """Return 1 / the median step time, without the first (tracing) step."""
+        timed = self.seconds[1:] or self.seconds
+        return 1.0 / statistics.median(timed)
+
+
+def bfloat16_advice() -> dict:
+    """Return doctor's dtype recommendation from CPU flags, oneDNN and a probe.
+
+    The matmul probe is doctor's, with a half-second budget on 512x512
+    matrices (float32 and bfloat16 only): enough to tell a 4x AMX speed-up
+    from emulated bfloat16.
+    """
+    from keras_amp_plus import _compat, cpu_features, matmul_probe, recommendation
+
+    text = cpu_features.read_cpuinfo()
+    flags = None if text is None else cpu_features.parse_cpu_flags(text)
+    probe = matmul_probe.probe_matmul_throughput(
+        seconds=0.5, size=512, dtypes=("float32", "bfloat16")
+    )
+    speedups = {
+        dtype: result.get("speedup_vs_float32")
+        for dtype, result in probe["results"].items()
+    }
+    return recommendation.recommend(
+        speedups,
+        features=cpu_features.low_precision_features(flags),
+        onednn=_compat.onednn_enabled(),
+    )
+
+
+def make_optimizer(policy: str) -> keras.optimizers.Optimizer:
+    """Return Adam, wrapped in keras_amp_plus's scaler for the mixed policies.
+
+    bfloat16 has float32's exponent range: the guard mode (scale fixed at 1,
+    non-finite steps skipped and recorded). float16 gets the dynamic scale.
+    """
+    inner = keras.optimizers.Adam(1e-3)
+    if policy == "mixed_bfloat16":
+        return kap.optimizers.LossScaleOptimizer.guard(inner)
+    if policy == "mixed_float16":
+        return kap.optimizers.LossScaleOptimizer(inner)
+    return inner
+
+
+def train_one(policy: str, data: dict, epochs: int, log_dir: str) -> dict:
+    """Train the demo model under `policy` and return its row of the table."""
+    print(f"\n== {policy} " + "=" * (60 - len(policy)))
+    model = build_model(policy, ours=policy != "float32")
     model.compile(
         optimizer=make_optimizer(policy),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    inputs, labels = make_data()
-    monitor = callbacks.AMPMonitor(log_dir)
+    timer = StepTimer()
+    callbacks = [keras.callbacks.TensorBoard(log_dir), timer]
+    monitor = None
+    if policy != "float32":
+        monitor = kap.callbacks.AMPMonitor(log_dir)
+        # First: the values the monitor adds to `logs` then reach TensorBoard.
+        callbacks.insert(0, monitor)
     history = model.fit(
-        inputs,
-        labels,
+        data["x_train"],
+        data["y_train"],
         batch_size=BATCH_SIZE,
         epochs=epochs,
-        validation_split=0.25,
-        # AMPMonitor first: the values it adds to `logs` reach TensorBoard.
-        callbacks=[monitor, keras.callbacks.TensorBoard(log_dir)],
-        verbose=2,
+        callbacks=callbacks,
+        verbose=1,
     )
-    return model, history, monitor
+    loss, accuracy = model.evaluate(data["x_test"], data["y_test"], verbose=0)
+    return {
+        "policy": policy,
+        "steps_per_second": timer.steps_per_second(),
+        "test_loss": float(loss),
+        "test_accuracy": float(accuracy),
+        "overflow_events": (
+            None if monitor is None else int(sum(history.history["overflow_events"]))
+        ),
+        "list_changes": list_changes(log_dir) if monitor else [],
+    }
 
 
-def events_by_layer(log_dir: str) -> collections.Counter:
-    """Count the overflow events AMPMonitor attributed to each layer.
+def list_changes(log_dir: str) -> list:
+    """Return AMPMonitor's list changes, read from `<log_dir>/amp_events.jsonl`.
 
-    Reads `<log_dir>/amp_events.jsonl`, the monitor's one-line-per-event log.
-
-    Args:
-        log_dir: the monitor's log directory.
+    Each is `"<name> -> <list> (epoch <n>)"`, in the order they were made.
     """
-    counts = collections.Counter()
     path = os.path.join(log_dir, "amp_events.jsonl")
-    if not os.path.exists(path):
-        return counts
     with open(path, encoding="utf-8") as events:
-        for line in events:
-            event = json.loads(line)
-            if event.get("type") == "overflow":
-                counts.update(event.get("layers", ()))
-    return counts
+        records = [json.loads(line) for line in events]
+    return [
+        f"{record['name']} -> {record['to']} (epoch {record['epoch']})"
+        for record in records
+        if record["type"] == "list_change"
+    ]
 
 
-def main(log_dir: str, epochs: int = 3, policy: str = "mixed_bfloat16") -> int:
-    """Run the demo, print the overflow summary and how to open TensorBoard.
+def format_table(rows: list) -> str:
+    """Render the runs as a text table; speed-ups are against the float32 row."""
+    baseline = rows[0]["steps_per_second"]
+    lines = [
+        f"{'run':<16}{'steps/s':>9}{'vs float32':>12}{'test loss':>11}"
+        f"{'test acc':>10}{'overflows':>11}  list changes",
+    ]
+    for row in rows:
+        overflows = row["overflow_events"]
+        lines.append(
+            f"{row['policy']:<16}{row['steps_per_second']:>9.2f}"
+            f"{row['steps_per_second'] / baseline:>11.2f}x"
+            f"{row['test_loss']:>11.4f}{row['test_accuracy']:>10.3f}"
+            f"{'-' if overflows is None else overflows:>11}  "
+            f"{', '.join(row['list_changes']) or '-'}"
+        )
+    return "\n".join(lines)
+
+
+def clear_previous_runs(log_dir: str) -> None:
+    """Delete this demo's own run directories under `log_dir`, nothing else.
+
+    TensorBoard would otherwise draw a new run on top of an old one.
+    """
+    for policy in RUNS:
+        shutil.rmtree(os.path.join(log_dir, policy), ignore_errors=True)
+
+
+def main(log_dir: str = "logs/demo", epochs: int | None = None, quick=False) -> int:
+    """Run the three trainings, print the table and the TensorBoard command.
 
     Args:
-        log_dir: TensorBoard log directory.
-        epochs: number of epochs. Defaults to `3`.
-        policy: Keras dtype policy name. Defaults to `"mixed_bfloat16"`.
+        log_dir: TensorBoard log directory; each run writes `<log_dir>/<policy>`.
+            Defaults to `"logs/demo"`.
+        epochs: epochs per run. Defaults to `None` (5, or 2 with `quick`).
+        quick: half the data and 2 epochs (under a minute on two cores).
+            Defaults to `False`.
 
     Returns:
         0 (the process exit code).
     """
+    size = "quick" if quick else "default"
+    epochs = epochs or DEFAULT_EPOCHS[size]
+    if epochs < 1:
+        raise ValueError(f"`epochs` must be at least 1. Received: epochs={epochs}")
     log_dir = os.path.abspath(log_dir)
-    print(f"keras_amp_plus demo: policy={policy}, epochs={epochs}")
-    model, history, monitor = train(log_dir, epochs=epochs, policy=policy)
-    summary = model.optimizer.overflow_summary()
-    print()
-    print(f"final loss: {history.history['loss'][-1]:.4f}")
+    clear_previous_runs(log_dir)
+    x_train, y_train = make_data(TRAIN_SAMPLES[size], seed=0)
+    x_test, y_test = make_data(TEST_SAMPLES, seed=1)
+    data = {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
+    advice = bfloat16_advice()
+    print(f"keras_amp_plus demo: {epochs} epochs per run, logs in {log_dir}")
+    print(f"low-precision check (as in `doctor`): {advice['summary']}")
+    for warning in advice["warnings"]:
+        print(f"  warning: {warning}")
+    if advice["policy"] != "mixed_bfloat16":
+        print("bfloat16 does not pay on this CPU: run 2 is shown for comparison.")
+    rows = [
+        train_one(policy, data, epochs, os.path.join(log_dir, policy))
+        for policy in RUNS
+    ]
+    print("\n" + format_table(rows))
     print(
-        f"overflow steps: {summary['overflow_count']} "
-        f"(NaN {summary['nan_steps']}, Inf {summary['inf_steps']}), "
-        f"loss scale now {summary['loss_scale']:g}"
+        "\nsteps/s: 1 / median wall-clock time of a train step (first step "
+        "excluded, skipped steps included); test loss and accuracy on held-out "
+        "data; overflows: events AMPMonitor logged, each a skipped step."
     )
-    for layer, count in events_by_layer(log_dir).most_common(3):
-        print(f"  AMPMonitor attributed {count} event(s) to layer {layer!r}")
-    if monitor.lists.deny_layers:
-        print(f"layers moved to float32: {', '.join(monitor.lists.deny_layers)}")
-    print(f"TensorBoard logs: {log_dir}")
-    print(f"view them with:   tensorboard --logdir {log_dir}")
+    print(
+        "mixed_float16 is there to show the rescue: CPUs have few fast float16 kernels."
+    )
+    print(f"\nNext: tensorboard --logdir {log_dir}")
     return 0

@@ -291,8 +291,5 @@ def main(log_dir: str = "logs/demo", epochs: int | None = None, quick=False) -> 
         "excluded, skipped steps included); test loss and accuracy on held-out "
         "data; overflows: events AMPMonitor logged, each a skipped step."
     )
-    print(
-        "mixed_float16 is there to show the rescue: CPUs have few fast float16 kernels."
-    )
     print(f"\nNext: tensorboard --logdir {log_dir}")
     return 0

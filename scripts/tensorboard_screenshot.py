@@ -1,17 +1,20 @@
 """Screenshot the real TensorBoard page of a log directory (`make screenshot`).
 
 Starts `tensorboard --logdir LOGDIR` on 127.0.0.1 on a free port, waits until
-it serves a run whose name ends in `amp` (AMPMonitor's run), renders the Time
-Series dashboard filtered to the `amp/` tags with headless Chromium (Debian's
-`chromium` package: `apt-get install -y chromium`), and stops TensorBoard.
+it serves a run whose name ends in `amp` (AMPMonitor's run), renders the
+Scalars dashboard filtered to the `amp` runs and `amp/` tags with headless
+Chromium (Debian's `chromium` package: `apt-get install -y chromium`), driven
+over its DevTools pipe, and stops TensorBoard.
 
     python scripts/tensorboard_screenshot.py --logdir logs/demo \
         --output docs/tensorboard_amp.png
 """
 
 import argparse
+import base64
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -74,20 +77,121 @@ def wait_for_amp_run(url: str, server: subprocess.Popen, timeout: float) -> list
     sys.exit(f"tensorboard_screenshot: no `amp` run served within {timeout:.0f} s")
 
 
-def screenshot(url: str, output: str, window: str, budget_ms: int) -> None:
-    """Render `url` with headless Chromium into the PNG `output`."""
+class DevTools:
+    """A minimal Chrome DevTools Protocol client over `--remote-debugging-pipe`.
+
+    Chromium reads JSON commands from its fd 3 and writes replies and events
+    to its fd 4, each message ending with a NUL byte. Only what the screenshot
+    needs: send a command and wait for its reply.
+    """
+
+    def __init__(self, command: list):
+        to_chromium, self._write = os.pipe()
+        self._read, from_chromium = os.pipe()
+
+        def give_chromium_its_pipes():
+            os.dup2(to_chromium, 3)
+            os.dup2(from_chromium, 4)
+
+        self.process = subprocess.Popen(  # preexec_fn only dup2s: no locks involved
+            [*command, "--remote-debugging-pipe"],
+            preexec_fn=give_chromium_its_pipes,
+            close_fds=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        os.close(to_chromium)
+        os.close(from_chromium)
+        self._buffer = b""
+        self._next_id = 0
+        self.session = None
+
+    def send(self, method: str, timeout: float = 60, **params) -> dict:
+        """Send one command (to the attached page, if any); return its result."""
+        self._next_id += 1
+        message = {"id": self._next_id, "method": method, "params": params}
+        if self.session and not method.startswith(("Target.", "Browser.")):
+            message["sessionId"] = self.session
+        os.write(self._write, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            reply = self._receive(deadline)
+            if reply.get("id") == self._next_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply.get("result", {})
+        raise TimeoutError(f"Chromium did not answer {method} in {timeout} s")
+
+    def _receive(self, deadline: float) -> dict:
+        while b"\0" not in self._buffer:
+            ready, _, _ = select.select([self._read], [], [], 1.0)
+            if time.monotonic() > deadline:
+                raise TimeoutError("Chromium stopped answering")
+            if ready:
+                chunk = os.read(self._read, 1 << 20)
+                if not chunk:
+                    raise RuntimeError("Chromium closed its DevTools pipe")
+                self._buffer += chunk
+        message, self._buffer = self._buffer.split(b"\0", 1)
+        return json.loads(message)
+
+    def close(self) -> None:
+        """Close the browser and the pipes."""
+        try:
+            self.send("Browser.close", timeout=10)
+        except (RuntimeError, TimeoutError, OSError):
+            self.process.kill()
+        self.process.wait(timeout=30)
+        os.close(self._write)
+        os.close(self._read)
+
+
+def screenshot(url: str, output: str, window: str, settle_seconds: float) -> None:
+    """Render `url` with headless Chromium into the PNG `output`.
+
+    TensorBoard keeps "Ignore outliers in chart scaling" in the page's
+    localStorage (default on: a single overflow epoch would be cut off the
+    chart), so it is switched off there and the page reloaded before the
+    screenshot.
+    """
+    width, height = (int(size) for size in window.split(","))
     with tempfile.TemporaryDirectory(prefix="kap_chromium_") as profile:
-        command = [
-            find_chromium(),
-            *CHROMIUM_FLAGS,
-            f"--user-data-dir={profile}",
-            f"--window-size={window}",
-            # Virtual time runs the page's timers until the charts are drawn.
-            f"--virtual-time-budget={budget_ms}",
-            f"--screenshot={output}",
-            url,
-        ]
-        subprocess.run(command, check=True, capture_output=True, timeout=180)
+        browser = DevTools(
+            [
+                find_chromium(),
+                *CHROMIUM_FLAGS,
+                f"--user-data-dir={profile}",
+                f"--window-size={width},{height}",
+                "about:blank",
+            ]
+        )
+        try:
+            target = browser.send("Target.createTarget", url="about:blank")
+            attached = browser.send(
+                "Target.attachToTarget", targetId=target["targetId"], flatten=True
+            )
+            browser.session = attached["sessionId"]
+            browser.send(
+                "Emulation.setDeviceMetricsOverride",
+                width=width,
+                height=height,
+                deviceScaleFactor=1,
+                mobile=False,
+            )
+            browser.send("Page.navigate", url=url)
+            time.sleep(settle_seconds / 2)
+            browser.send(
+                "Runtime.evaluate",
+                expression="localStorage.setItem('_ignoreYOutliers', 'false'); "
+                "location.reload(); true",
+            )
+            # TensorBoard loads its scalars asynchronously after the reload.
+            time.sleep(settle_seconds)
+            image = browser.send("Page.captureScreenshot", format="png")["data"]
+        finally:
+            browser.close()
+    with open(output, "wb") as png:
+        png.write(base64.b64decode(image))
 
 
 def main(argv=None) -> int:
@@ -96,13 +200,15 @@ def main(argv=None) -> int:
     parser.add_argument("--logdir", default="logs/demo")
     parser.add_argument("--output", default="docs/tensorboard_amp.png")
     parser.add_argument("--window-size", default="1400,1100")
-    parser.add_argument("--virtual-time-budget", type=int, default=20000)
+    parser.add_argument(
+        "--settle-seconds",
+        type=float,
+        default=10.0,
+        help="time for TensorBoard to load and draw the charts (default: 10)",
+    )
     parser.add_argument(
         "--page",
-        default=(
-            "/#scalars&tagFilter=amp%2F&_smoothingWeight=0"
-            "&_ignoreYOutliers=false&regexInput=amp"
-        ),
+        default=("/#scalars&tagFilter=amp%2F&_smoothingWeight=0&regexInput=amp"),
         help="path and fragment of the TensorBoard page to render",
     )
     args = parser.parse_args(argv)
@@ -132,9 +238,7 @@ def main(argv=None) -> int:
         try:
             runs = wait_for_amp_run(url, server, timeout=120)
             print(f"TensorBoard at {url} serves {len(runs)} runs: {', '.join(runs)}")
-            screenshot(
-                url + args.page, output, args.window_size, args.virtual_time_budget
-            )
+            screenshot(url + args.page, output, args.window_size, args.settle_seconds)
         finally:
             server.terminate()
             server.wait(timeout=30)

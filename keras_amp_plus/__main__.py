@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--epochs", type=_positive_int, default=None, help="default: 5 (2 with --quick)"
     )
     demo.add_argument(
-        "--quick", action="store_true", help="less data, 2 epochs: under a minute"
+        "--quick", action="store_true", help="less data, one block, 2 epochs"
     )
 
     bench = commands.add_parser("bench", help="run benchmarks/ of a source checkout")

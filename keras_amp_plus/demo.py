@@ -32,7 +32,7 @@ SEQUENCE_LENGTH = 32
 FEATURES = 32
 WIDTH = 128
 HEADS = 4
-BLOCKS = 2
+BLOCKS = {"default": 2, "quick": 1}  # --quick: less to trace
 CLASSES = 4
 BATCH_SIZE = 64
 # 12 steps per epoch: the scaler halves its scale on each overflow step of the
@@ -74,13 +74,14 @@ def make_data(samples: int, seed: int = 0) -> tuple:
     return (inputs * READING_SCALE).astype("float32"), labels
 
 
-def build_model(policy: str, ours: bool) -> keras.Model:
-    """Return a two-block transformer classifier under `policy`.
+def build_model(policy: str, ours: bool, blocks: int = 2) -> keras.Model:
+    """Return a transformer classifier under `policy`.
 
     Args:
         policy: Keras dtype policy name of the model's layers.
         ours: use keras_amp_plus's `LayerNormalization` and `Swish` instead of
             Keras's `LayerNormalization` and `Activation("swish")`.
+        blocks: number of transformer blocks. Defaults to `2`.
     """
     norm = kap.layers.LayerNormalization if ours else keras.layers.LayerNormalization
     swish = (
@@ -94,7 +95,7 @@ def build_model(policy: str, ours: bool) -> keras.Model:
         keras.utils.set_random_seed(0)
         inputs = keras.Input((SEQUENCE_LENGTH, FEATURES), name="readings")
         x = norm(name="embed_norm")(keras.layers.Dense(WIDTH, name="embed")(inputs))
-        for block in range(BLOCKS):
+        for block in range(blocks):
             attention = keras.layers.MultiHeadAttention(
                 HEADS, WIDTH // HEADS, name=f"attention_{block}"
             )
@@ -172,17 +173,17 @@ def make_optimizer(policy: str) -> keras.optimizers.Optimizer:
     return inner
 
 
-def train_one(policy: str, data: dict, epochs: int, log_dir: str) -> dict:
+def train_one(policy: str, data: dict, epochs: int, log_dir: str, blocks: int) -> dict:
     """Train the demo model under `policy` and return its row of the table."""
     print(f"\n== {policy} " + "=" * (60 - len(policy)))
-    model = build_model(policy, ours=policy != "float32")
+    model = build_model(policy, ours=policy != "float32", blocks=blocks)
     model.compile(
         optimizer=make_optimizer(policy),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
     timer = StepTimer()
-    callbacks = [keras.callbacks.TensorBoard(log_dir), timer]
+    callbacks = [keras.callbacks.TensorBoard(log_dir, write_graph=False), timer]
     monitor = None
     if policy != "float32":
         monitor = kap.callbacks.AMPMonitor(log_dir)
@@ -259,8 +260,8 @@ def main(log_dir: str = "logs/demo", epochs: int | None = None, quick=False) -> 
         log_dir: TensorBoard log directory; each run writes `<log_dir>/<policy>`.
             Defaults to `"logs/demo"`.
         epochs: epochs per run. Defaults to `None` (5, or 2 with `quick`).
-        quick: half the data and 2 epochs (under a minute on two cores).
-            Defaults to `False`.
+        quick: half the data, one block, 2 epochs (under a minute on two
+            cores). Defaults to `False`.
 
     Returns:
         0 (the process exit code).
@@ -282,7 +283,7 @@ def main(log_dir: str = "logs/demo", epochs: int | None = None, quick=False) -> 
     if advice["policy"] != "mixed_bfloat16":
         print("bfloat16 does not pay on this CPU: run 2 is shown for comparison.")
     rows = [
-        train_one(policy, data, epochs, os.path.join(log_dir, policy))
+        train_one(policy, data, epochs, os.path.join(log_dir, policy), BLOCKS[size])
         for policy in RUNS
     ]
     print("\n" + format_table(rows))

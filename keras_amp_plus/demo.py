@@ -141,10 +141,8 @@ def bfloat16_advice() -> dict:
     matrices (float32 and bfloat16 only): enough to tell a 4x AMX speed-up
     from emulated bfloat16.
     """
-    from keras_amp_plus import _compat, cpu_features, matmul_probe, recommendation
+    from keras_amp_plus import doctor, matmul_probe, recommendation
 
-    text = cpu_features.read_cpuinfo()
-    flags = None if text is None else cpu_features.parse_cpu_flags(text)
     probe = matmul_probe.probe_matmul_throughput(
         seconds=0.5, size=512, dtypes=("float32", "bfloat16")
     )
@@ -154,8 +152,8 @@ def bfloat16_advice() -> dict:
     }
     return recommendation.recommend(
         speedups,
-        features=cpu_features.low_precision_features(flags),
-        onednn=_compat.onednn_enabled(),
+        features=doctor.cpu_status()["features"],
+        onednn=doctor.onednn_status()["enabled"],
     )
 
 

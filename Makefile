@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test lint bench bench-quick doctor clean
+.PHONY: demo test lint bench bench-quick doctor clean screenshot
 
 $(PY): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ bench: $(PY)
 # CI-sized runs of every benchmark (results go to *_quick.json).
 bench-quick: $(PY)
 	for script in $(BENCHMARKS); do $(PY) $$script --quick || exit 1; done
+
+# docs/tensorboard_amp.png: the real TensorBoard page of the demo's logs,
+# rendered by headless Chromium (Debian: apt-get install -y chromium).
+screenshot: $(PY)
+	$(PY) -m keras_amp_plus demo --log-dir logs/demo
+	$(PY) scripts/tensorboard_screenshot.py --logdir logs/demo --output docs/tensorboard_amp.png
 
 doctor: $(PY)
 	$(PY) -m keras_amp_plus doctor

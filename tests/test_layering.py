@@ -26,7 +26,6 @@ RANKS = (
     ("keras_amp_plus.report", 3.5),
     ("keras_amp_plus.callbacks", 4),
     ("keras_amp_plus.cli", 5),
-    ("keras_amp_plus.demo", 5),
     ("keras_amp_plus.__main__", 6),
 )
 SIBLINGS = 2  # the layers and the scaler stand beside each other, unlinked

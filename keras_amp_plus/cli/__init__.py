@@ -2,8 +2,9 @@
 
 - `doctor [--json] [--probe-seconds S]`: versions, oneDNN, CPU low-precision
   features, devices, XLA, a matmul probe and a dtype policy recommendation.
-- `demo --log-dir DIR [--epochs N] [--policy P]`: a short training run with the
-  keras_amp_plus layers, loss scaler and AMPMonitor, writing TensorBoard logs.
+- `demo [--log-dir DIR] [--epochs N] [--quick]`: one small model trained as
+  float32, as mixed_bfloat16 and as an overflowing mixed_float16 run that
+  AMPMonitor rescues; a comparison table and TensorBoard logs.
 
 The benchmarks live in the repository's `benchmarks/` (`make bench`).
 Each command imports Keras and TensorFlow only when it runs, so `doctor` can
@@ -48,14 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="time budget of the matmul probe (default: 2.0)",
     )
 
-    demo = commands.add_parser("demo", help="train a small model, log to TensorBoard")
-    demo.add_argument("--log-dir", required=True, help="TensorBoard log directory")
-    demo.add_argument("--epochs", type=_positive_int, default=3, help="default: 3")
+    demo = commands.add_parser(
+        "demo",
+        help="train a small model as float32, bfloat16 and float16, compare them",
+    )
     demo.add_argument(
-        "--policy",
-        choices=("mixed_bfloat16", "mixed_float16", "float32"),
-        default="mixed_bfloat16",
-        help="Keras dtype policy (default: mixed_bfloat16)",
+        "--log-dir",
+        default="logs/demo",
+        help="TensorBoard log directory (default: logs/demo)",
+    )
+    demo.add_argument(
+        "--epochs", type=_positive_int, default=None, help="default: 5 (2 with --quick)"
+    )
+    demo.add_argument(
+        "--quick", action="store_true", help="less data, one block, 2 epochs"
     )
     return parser
 
@@ -71,9 +78,9 @@ def main(argv: list | None = None) -> int:
         from keras_amp_plus.cli import doctor
 
         return doctor.main(json_output=args.json, probe_seconds=args.probe_seconds)
-    from keras_amp_plus import demo
+    from keras_amp_plus.cli import demo
 
-    return demo.main(log_dir=args.log_dir, epochs=args.epochs, policy=args.policy)
+    return demo.main(log_dir=args.log_dir, epochs=args.epochs, quick=args.quick)
 
 
 __all__ = ["build_parser", "main"]

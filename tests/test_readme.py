@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from keras_amp_plus.__main__ import build_parser
+from keras_amp_plus.cli import build_parser
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -9,6 +9,10 @@ MODULES = (
     "keras_amp_plus.layers.layer_normalization",
     "keras_amp_plus.layers.instance_normalization",
     "keras_amp_plus.layers.swish_activation",
+    "keras_amp_plus.layers._fused_normalization",
+    "keras_amp_plus.layers._keras_formula",
+    "keras_amp_plus.layers._path_choice",
+    "keras_amp_plus.layers._precision",
 )
 
 

@@ -1,13 +1,10 @@
 """`InstanceNormalization` with float32 statistics, loading TF Addons configs."""
 
 import keras
-import tensorflow as tf
 
 from keras_amp_plus.layers import _validation
-from keras_amp_plus.layers._fused_normalization import (
-    fused_normalize,
-    statistics_dtype,
-)
+from keras_amp_plus.layers._fused_normalization import fused_normalize
+from keras_amp_plus.layers._precision import broadcast_weights
 
 _LAYER_NAME = "InstanceNormalization"
 
@@ -152,22 +149,11 @@ class InstanceNormalization(keras.layers.Layer):
         rank = len(inputs.shape)
         channel_axis = self.axis % rank
         stat_axes = tuple(a for a in range(1, rank) if a != channel_axis)
-        broadcast_shape = [1] * rank
-        broadcast_shape[channel_axis] = inputs.shape[channel_axis]
-        dtype = statistics_dtype(inputs.dtype)
-
-        def reshaped(weight, fill):
-            if weight is None:
-                return tf.fill(broadcast_shape, tf.constant(fill, dtype))
-            return tf.reshape(tf.cast(weight, dtype), broadcast_shape)
-
+        gamma, beta = broadcast_weights(
+            self.gamma, self.beta, inputs, (channel_axis,)
+        )
         return fused_normalize(
-            inputs,
-            reshaped(self.gamma, 1.0),
-            reshaped(self.beta, 0.0),
-            self.epsilon,
-            stat_axes,
-            self.compute_dtype,
+            inputs, gamma, beta, self.epsilon, stat_axes, self.compute_dtype
         )
 
     def compute_output_shape(self, input_shape):

@@ -5,10 +5,8 @@ import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus.layers import _validation
-from keras_amp_plus.layers._fused_normalization import (
-    fused_normalize,
-    statistics_dtype,
-)
+from keras_amp_plus.layers._fused_normalization import fused_normalize
+from keras_amp_plus.layers._precision import broadcast_weights
 
 _LAYER_NAME = "LayerNormalization"
 _ITEX_MIN_EPSILON = 1.001e-5
@@ -127,18 +125,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
 
     def _broadcast_weights(self, inputs, axes):
         """Return gamma and beta reshaped to broadcast against `inputs`."""
-        rank = len(inputs.shape)
-        dtype = statistics_dtype(inputs.dtype)
-        broadcast_shape = [1] * rank
-        for axis in axes:
-            broadcast_shape[axis] = inputs.shape[axis]
-
-        def reshaped(weight, fill):
-            if weight is None:
-                return tf.fill(broadcast_shape, tf.constant(fill, dtype))
-            return tf.reshape(tf.cast(weight, dtype), broadcast_shape)
-
-        return reshaped(self.gamma, 1.0), reshaped(self.beta, 0.0)
+        return broadcast_weights(self.gamma, self.beta, inputs, axes)
 
     def _rms_scaled(self, inputs, axes):
         """Keras's deprecated `rms_scaling` formula, statistics in float32."""

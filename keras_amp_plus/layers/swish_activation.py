@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus.layers import _row_buckets, _validation
+from keras_amp_plus.layers._precision import statistics_dtype
 
 
 @tf.function(jit_compile=True)
@@ -81,7 +82,7 @@ def swish(x, beta=1.0):
     x = tf.convert_to_tensor(x)
     # The result has x's dtype: integers would come back truncated.
     _validation.check_float_input(x, "swish", argument="x")
-    wide = tf.float64 if x.dtype == tf.float64 else tf.float32
+    wide = statistics_dtype(x.dtype)
     beta_is_constant = isinstance(beta, numbers.Real)
     return _swish(x, tf.cast(beta, wide), with_beta_grad=not beta_is_constant)
 
@@ -151,7 +152,7 @@ class Swish(keras.layers.Layer):
     def call(self, inputs):
         """Return `inputs * sigmoid(beta * inputs)` in the compute dtype."""
         _validation.check_float_input(inputs, "Swish")
-        wide = tf.float64 if inputs.dtype == tf.float64 else tf.float32
+        wide = statistics_dtype(inputs.dtype)
         if self.beta is None:
             return _swish(inputs, tf.constant(self.initial_beta, wide), False)
         return _swish(inputs, tf.cast(self.beta, wide), True)

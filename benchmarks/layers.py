@@ -256,8 +256,10 @@ def main():
     grid = QUICK_GRID if args.quick else GRID
     rows = []
     start = time.time()
-    print(f"\n{'layer':<6} {'shape':<20} {'policy':<15} {'step':<6} "
-          f"{'ours ms':>8} {'keras ms':>9} {'ratio':>6}")
+    print(
+        f"\n{'layer':<6} {'shape':<20} {'policy':<15} {'step':<6} "
+        f"{'ours ms':>8} {'keras ms':>9} {'ratio':>6}"
+    )
     for kind in args.layers:
         for shape in grid[kind]:
             for policy in args.policies:
@@ -265,7 +267,7 @@ def main():
                     row = time_cell(kind, shape, policy, step_kind, reps)
                     rows.append(row)
                     print(
-                        f"{kind:<6} {str(shape):<20} {policy:<15} {step_kind:<6} "
+                        f"{kind:<6} {shape!s:<20} {policy:<15} {step_kind:<6} "
                         f"{row['ours_ms']:8.2f} {row['keras_ms']:9.2f} "
                         f"{row['ratio']:6.2f}",
                         flush=True,

@@ -30,8 +30,8 @@ def _sum_over_axes(t, axes):
 
     XLA's CPU backend emits reductions as plain loops, while a dot becomes one
     call into a vectorized GEMM. Below `_path_choice.DOT_SUM_MIN_ELEMENTS`
-    the reduction is the faster one. The shapes are read at run time, so unknown (None) dimensions
-    at trace time are fine.
+    the reduction is the faster one. The shapes are read at run time, so
+    unknown (None) dimensions at trace time are fine.
     """
     axes = sorted(axes)
     if axes != list(range(axes[0], axes[-1] + 1)):

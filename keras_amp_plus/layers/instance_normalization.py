@@ -74,6 +74,7 @@ class InstanceNormalization(keras.layers.Layer):
         # TF Addons configs carry `groups`; it is checked against the channel
         # count in build() and never rewritten.
         self._addons_groups = kwargs.pop("groups", None)
+        self._channels = None
         super().__init__(**kwargs)
         _validation.check_axis_type(axis, allow_list=False)
         self._check_addons_groups(channels=None)
@@ -89,6 +90,18 @@ class InstanceNormalization(keras.layers.Layer):
         self.gamma_constraint = keras.constraints.get(gamma_constraint)
         self.supports_masking = True
         self.autocast = False
+
+    @property
+    def groups(self) -> int:
+        """The number of groups, one per channel, as TF Addons' layer had it.
+
+        The channel count once built; before, the `groups` of a TF Addons
+        config, else -1 ("one group per channel", GroupNormalization's
+        spelling). Not a constructor argument: `get_config()` leaves it out.
+        """
+        if self._channels is not None:
+            return self._channels
+        return -1 if self._addons_groups is None else self._addons_groups
 
     def _check_addons_groups(self, channels):
         """Raise unless a TF Addons `groups` means one group per channel."""
@@ -127,6 +140,7 @@ class InstanceNormalization(keras.layers.Layer):
         _validation.check_defined_dims([channel_axis], input_shape, _LAYER_NAME)
         channels = input_shape[channel_axis]
         self._check_addons_groups(channels)
+        self._channels = channels
         self.gamma = self._add_channel_weight("gamma", channels, self.scale)
         self.beta = self._add_channel_weight("beta", channels, self.center)
 
@@ -149,9 +163,7 @@ class InstanceNormalization(keras.layers.Layer):
         rank = len(inputs.shape)
         channel_axis = self.axis % rank
         stat_axes = tuple(a for a in range(1, rank) if a != channel_axis)
-        gamma, beta = broadcast_weights(
-            self.gamma, self.beta, inputs, (channel_axis,)
-        )
+        gamma, beta = broadcast_weights(self.gamma, self.beta, inputs, (channel_axis,))
         return fused_normalize(
             inputs, gamma, beta, self.epsilon, stat_axes, self.compute_dtype
         )

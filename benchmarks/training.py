@@ -51,11 +51,11 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from layers import cpu_info, cpu_kind  # noqa: E402  (benchmarks/layers.py)
+from layers import cpu_info, cpu_kind  # benchmarks/layers.py
 
-from keras_amp_plus import layers  # noqa: E402
-from keras_amp_plus.callbacks import AMPMonitor  # noqa: E402
-from keras_amp_plus.optimizers import LossScaleOptimizer  # noqa: E402
+from keras_amp_plus import layers
+from keras_amp_plus.callbacks import AMPMonitor
+from keras_amp_plus.optimizers import LossScaleOptimizer
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("float32", "keras_bf16", "ours_bf16", "full_product")
@@ -200,7 +200,8 @@ def run_model(model_name, size, rounds, steps, log_root):
         if variant.error is not None:
             row["error"] = variant.error
         else:
-            rates = [s / t for s, t in zip(variant.timer.steps, variant.timer.seconds)]
+            timer = variant.timer
+            rates = [s / t for s, t in zip(timer.steps, timer.seconds, strict=True)]
             median = statistics.median(rates)
             row.update(
                 steps_per_cpu_second=median,
@@ -236,7 +237,7 @@ def print_table(rows):
             f"{head} {r['steps_per_cpu_second']:8.2f} {100 * r['spread']:6.1f}% "
             f"{r.get('speedup_over_float32', float('nan')):7.2f}x"
         )
-    print("steps/s per process CPU second, median over rounds; spread = (max-min)/median")
+    print("steps/s per CPU second, median over rounds; spread = (max-min)/median")
 
 
 SIZES = {

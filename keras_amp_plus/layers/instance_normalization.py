@@ -17,7 +17,9 @@ class InstanceNormalization(keras.layers.Layer):
     (height and width for images), then applies a per-channel `gamma` and
     `beta`. In float32 it equals `keras.layers.GroupNormalization(groups=-1)`.
     Statistics are computed in float32 under every policy, and forward and
-    backward each run as one XLA-fused kernel; `gamma`/`beta` stay float32
+    backward each run as one XLA-fused kernel (or, where that is not faster
+    on this CPU, as Keras's formula does; see `LayerNormalization`);
+    `gamma`/`beta` stay float32
     under mixed policies and the output has the layer's compute dtype. XLA
     compiles a kernel per input shape: a model fed images of many different
     sizes compiles once per size.

@@ -152,8 +152,9 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
             x, gamma, beta, epsilon, stat_axes, output_dtype
         )
 
-    elements = x.shape.num_elements()
-    if _path_choice.normalization_path(elements) == _path_choice.KERAS_FORMULA:
+    trailing = stat_axes == tuple(range(x.shape.rank - len(stat_axes), x.shape.rank))
+    path = _path_choice.normalization_path(x.shape.num_elements(), trailing)
+    if path == _path_choice.KERAS_FORMULA:
         return _keras_formula.keras_formula_normalize(
             x, gamma, beta, epsilon, stat_axes, output_dtype
         )

@@ -11,9 +11,11 @@ on the CPU, as measured by `benchmarks/layers.py` on each kind of machine:
   matrix products (from `DOT_SUM_MIN_ELEMENTS` on); below that, Keras's
   formula.
 - In a graph step (no XLA around), the kernels replace a dozen separate
-  passes over memory. On CPUs with AVX-512 they win at every size of the
-  benchmark's grid. Without AVX-512 (where TensorFlow also turns oneDNN off),
-  XLA's reductions are slower and the kernels win only from
+  passes over memory. For statistics over the trailing axes (layer norm) on
+  CPUs with AVX-512 they win at every size of the benchmark's grid. Without
+  AVX-512 (where TensorFlow also turns oneDNN off), and for statistics over
+  middle axes (instance norm: height and width, channels last), XLA's
+  reductions are slower than TensorFlow's and the kernels win only from
   `DOT_SUM_MIN_ELEMENTS` on; below, Keras's formula.
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
@@ -73,12 +75,15 @@ def _forced_path():
     return value
 
 
-def normalization_path(elements) -> str:
+def normalization_path(elements, trailing_statistics: bool = True) -> str:
     """Return `FUSED_KERNELS` or `KERAS_FORMULA` for an input of `elements`.
 
     Args:
         elements: the input's number of elements, or None when unknown at
             trace time (variable shapes: the kernels, padded to row buckets).
+        trailing_statistics: whether the statistics are taken over the
+            input's trailing axes (layer norm) rather than middle ones
+            (instance norm). Defaults to `True`.
 
     Returns:
         The implementation to run, chosen as the module docstring says.
@@ -94,6 +99,8 @@ def normalization_path(elements) -> str:
         return FUSED_KERNELS
     if _compat.in_xla_compiled_function():
         return KERAS_FORMULA
-    if tf.executing_eagerly() or graph_rewrite_on() or cpu_has_avx512():
+    if tf.executing_eagerly() or graph_rewrite_on():
+        return FUSED_KERNELS
+    if trailing_statistics and cpu_has_avx512():
         return FUSED_KERNELS
     return KERAS_FORMULA

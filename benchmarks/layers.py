@@ -112,8 +112,12 @@ def cpu_kind(info):
     vendor = "intel" if "intel" in model else "amd" if "amd" in model else "cpu"
     features = info["features"] or {}
     if features.get("amx_bf16"):
-        return f"{vendor}_amx"
-    return f"{vendor}_avx512" if info["avx512f"] else f"{vendor}_avx2"
+        kind = f"{vendor}_amx"
+    else:
+        kind = f"{vendor}_avx512" if info["avx512f"] else f"{vendor}_avx2"
+    # oneDNN off where TF would turn it on (TF_ENABLE_ONEDNN_OPTS=0): a run
+    # that approximates a CPU without it, kept apart from the default run.
+    return kind + ("_onednn_off" if info["onednn"] is False else "")
 
 
 def make_step(layer, jit):

@@ -234,7 +234,7 @@ def print_summary(summary):
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 shapes per layer")
-    parser.add_argument("--reps", type=int, default=None, help="default 7 (quick 3)")
+    parser.add_argument("--reps", type=int, default=None, help="default 5 (quick 3)")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
     parser.add_argument("--layers", nargs="+", default=list(GRID), choices=GRID)
@@ -244,7 +244,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    reps = args.reps or (3 if args.quick else 7)
+    reps = args.reps or (3 if args.quick else 5)
     info = cpu_info()
     kind_tag = cpu_kind(info)
     suffix = "_quick" if args.quick else ""

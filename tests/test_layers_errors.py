@@ -81,3 +81,30 @@ def test_swish_non_numeric_beta_raises():
 def test_swish_function_integer_input_raises():
     with pytest.raises(TypeError, match=r"Received: x\.dtype=int64"):
         layers.swish(np.array([1, 2, 3]))
+
+
+# Issue 9: these were accepted (inf epsilon, nan/inf beta) or coerced to True
+# (`trainable_beta="no"`), and `swish(x, beta="2")` failed inside TensorFlow.
+@pytest.mark.parametrize("layer", NORMALIZATIONS)
+@pytest.mark.parametrize("epsilon", [float("inf"), float("nan")])
+def test_non_finite_epsilon_raises(layer, epsilon):
+    with pytest.raises(ValueError, match=f"Received: epsilon={epsilon}"):
+        layer(epsilon=epsilon)
+
+
+@pytest.mark.parametrize("beta", [float("nan"), float("inf"), -float("inf")])
+def test_swish_non_finite_beta_raises(beta):
+    with pytest.raises(ValueError, match=f"Received: beta={beta}"):
+        layers.Swish(beta=beta)
+
+
+@pytest.mark.parametrize("trainable_beta", ["no", 1, 0, None, 1.0])
+def test_swish_non_bool_trainable_beta_raises(trainable_beta):
+    with pytest.raises(TypeError, match="Received: trainable_beta="):
+        layers.Swish(trainable_beta=trainable_beta)
+
+
+@pytest.mark.parametrize("beta", ["2", None, [1.0]])
+def test_swish_function_non_numeric_beta_raises(beta):
+    with pytest.raises(TypeError, match="Received: beta="):
+        layers.swish(np.array([1.0, 2.0], "float32"), beta=beta)

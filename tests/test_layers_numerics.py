@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from keras_amp_plus import layers
-from keras_amp_plus.layers import _fused_normalization
+from keras_amp_plus.layers import _path_choice
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 # One rounding of the output: 2**-8 relative for bfloat16 (8 significant bits),
@@ -217,7 +217,7 @@ def test_low_precision_statistics_fail_this_check():
 def test_sums_as_dots_match_float64(policy_name, monkeypatch):
     # Large tensors sum as matrix products; force that path on small ones
     # (shapes used nowhere else, so the kernels are traced afresh).
-    monkeypatch.setattr(_fused_normalization, "_DOT_SUM_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(_path_choice, "DOT_SUM_MIN_ELEMENTS", 0)
     policy = _policy(policy_name)
     _check_normalization(
         layers.LayerNormalization(), (12, 40), 1000.0, policy, (1,), (1, 40)

@@ -12,48 +12,26 @@ Why XLA also fixes graph-level AMP: grappler's `auto_mixed_precision_onednn_bflo
 rewrite paints Keras's `Mean`/`SquaredDifference`/`Rsqrt` bfloat16, but it skips
 functions that XLA must compile, so the statistics here stay float32.
 
-Candidates measured on (8192, 1024) bfloat16, forward + backward, CPU time
-relative to `keras.layers.LayerNormalization` (`python benchmarks/layers.py`
-prints the table): FusedBatchNormV3 reshaping trick 0.70x (and less accurate:
-its output is rounded before the float32 affine); float32 TF ops 0.82x; the
-same with this custom gradient 0.67x; XLA with autodiff 0.43x; XLA with this
-custom gradient and the sums as dots (below) 0.21x. The dots only pay from
-about 4M elements on: below that XLA emits them as single-threaded loops
-(0.94-1.27x of Keras's layer at 1.5M-3M elements), so there the sums stay
-reductions (0.41-0.64x from 0.26M to 3M elements in the benchmark's row scan;
-at (64, 1024) XLA's fixed cost per call of ~0.2 ms dominates: 0.9x). One-pass statistics
-(E[x^2] - E[x]^2) were as fast and failed on N(1000, 1) inputs, so the mean is
-subtracted before the variance is taken.
+The sums are matrix products from `_path_choice.DOT_SUM_MIN_ELEMENTS` on (XLA
+runs a dot as one call into a vectorized GEMM) and plain reductions below it.
+One-pass statistics (E[x^2] - E[x]^2) fail on N(1000, 1) inputs, so the mean is
+subtracted before the variance is taken. Where these kernels do not beat
+Keras's layers, `fused_normalize` runs Keras's formula instead
+(`_path_choice` decides; `benchmarks/layers.py` measures both).
 """
 
 import tensorflow as tf
 
-from keras_amp_plus.layers import _row_buckets
-
-
-def statistics_dtype(dtype: tf.DType) -> tf.DType:
-    """Return the dtype statistics are computed in: float32, or float64 inputs'."""
-    return tf.float64 if dtype == tf.float64 else tf.float32
-
-
-# Below this many elements XLA's CPU backend emits a (rows, n) x (n, 1) dot as
-# its own single-threaded loop, slower than the plain reduction: on
-# (rows, 1024) bfloat16 layer norms, forward + backward, relative to Keras's
-# layer, dots measured 0.94-1.27x at 1536-3000 rows and 0.25x at 4096 rows.
-# With this switch `benchmarks/layers.py` (row scan) measured 0.41-0.64x from
-# 256 to 3000 rows and 0.20-0.21x at 4096 and 8192 rows.
-_DOT_SUM_MIN_ELEMENTS = 2**22
+from keras_amp_plus.layers import _keras_formula, _path_choice, _row_buckets
 
 
 def _sum_over_axes(t, axes):
     """Sum `t` over `axes` (keepdims); a matrix product when they are adjacent.
 
     XLA's CPU backend emits reductions as plain loops, while a dot becomes one
-    call into a multi-threaded, vectorized GEMM: summing a (32, 4096, 128)
-    float32 tensor over its middle axis took 35 ms as a reduction and 5 ms as
-    `ones(1, 4096) @ x`. Below `_DOT_SUM_MIN_ELEMENTS` the reduction is the
-    faster one. The shapes are read at run time, so unknown (None) dimensions
-    at trace time are fine.
+    call into a vectorized GEMM. Below `_path_choice.DOT_SUM_MIN_ELEMENTS`
+    the reduction is the faster one. The shapes are read at run time, so
+    unknown (None) dimensions at trace time are fine.
     """
     axes = sorted(axes)
     if axes != list(range(axes[0], axes[-1] + 1)):
@@ -76,7 +54,7 @@ def _sum_over_axes(t, axes):
 
     # The size is a constant to XLA, which keeps only the branch taken.
     sums = tf.cond(
-        tf.size(blocks) >= _DOT_SUM_MIN_ELEMENTS,
+        tf.size(blocks) >= _path_choice.DOT_SUM_MIN_ELEMENTS,
         as_dot,
         lambda: tf.reduce_sum(blocks, axis=1, keepdims=True),
     )
@@ -148,7 +126,7 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     Args:
         x: a float tensor of any float dtype.
         gamma: the scale, already reshaped to broadcast against `x`, in
-            `statistics_dtype(x.dtype)`.
+            `_precision.statistics_dtype(x.dtype)`.
         beta: the offset, same shape and dtype as `gamma`.
         epsilon: a positive Python float added to the variance.
         stat_axes: tuple of non-negative ints, the axes statistics are taken over.
@@ -157,6 +135,14 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     Returns:
         `(x - mean) * rsqrt(variance + epsilon) * gamma + beta` in
         `output_dtype`, differentiable w.r.t. `x`, `gamma` and `beta`.
+
+    Example:
+    >>> import tensorflow as tf
+    >>> x = tf.constant([[1000.0, 1001.0, 1002.0]])
+    >>> ones, zeros = tf.ones([1, 3]), tf.zeros([1, 3])
+    >>> out = fused_normalize(x, ones, zeros, 1e-3, (1,), tf.float32)
+    >>> [round(float(v), 2) for v in out[0]]
+    [-1.22, 0.0, 1.22]
     """
     stat_axes = tuple(stat_axes)
     output_dtype = tf.as_dtype(output_dtype)
@@ -166,6 +152,12 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
             x, gamma, beta, epsilon, stat_axes, output_dtype
         )
 
+    trailing = stat_axes == tuple(range(x.shape.rank - len(stat_axes), x.shape.rank))
+    path = _path_choice.normalization_path(x.shape.num_elements(), trailing)
+    if path == _path_choice.KERAS_FORMULA:
+        return _keras_formula.keras_formula_normalize(
+            x, gamma, beta, epsilon, stat_axes, output_dtype
+        )
     # Variable-length inputs would compile new XLA kernels at every new shape.
     if _row_buckets.applies(x, gamma, stat_axes):
         return _row_buckets.normalize_in_row_buckets(

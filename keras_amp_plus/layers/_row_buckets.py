@@ -3,18 +3,14 @@
 XLA compiles one kernel per concrete input shape. A model built for inputs
 whose length changes every batch (`keras.Input((None, features))`, text padded
 per batch) would compile the forward and backward kernels again for every new
-length: 60 `fit` steps of (8, random length in [5, 200), 32) inputs compiled
-110 kernels and took 15 s of CPU time, against 0.8 s with Keras's layer, and
-the count keeps growing with the number of distinct lengths. Such inputs are
-flattened to (rows, features) and the rows padded with zeros up to one of two
-sizes per power of two (at most 50% padding): the same 60 steps compiled 22
-kernels, 300 steps 24. The padded rows normalize to `beta` and are sliced off;
-their upstream gradient is zero, so they add nothing to the weight gradients.
-`Swish` pads its flattened input the same way (20 lengths: 40 kernels before).
-The padding and slicing cost copies: on (8, 64..512, 1024) bfloat16 inputs,
-forward + backward took 0.58x the CPU time of Keras's layer once compiled
-(Swish: 0.68x; `benchmarks/layers.py`, variable length), against 0.50x for
-exact shapes (whose compilations never stop) in a scratch run.
+length, and the count keeps growing with the number of distinct lengths (its
+compile time soon dwarfs the training). Such inputs are flattened to (rows,
+features) and the rows padded with zeros up to one of two sizes per power of
+two (at most 50% padding), so the number of kernels grows with the logarithm
+of the longest length only. The padded rows normalize to `beta` and are
+sliced off; their upstream gradient is zero, so they add nothing to the weight
+gradients. `Swish` pads its flattened input the same way. The padding and
+slicing cost copies, paid to stop the compilations.
 """
 
 import math
@@ -24,10 +20,9 @@ import tensorflow as tf
 from keras_amp_plus import _compat
 
 # Sizes per power of two, as bits: rows are rounded up to a multiple of
-# 2**(k - 1) where 2**k <= rows < 2**(k + 1), which pads at most 50%. Measured
-# with 1, 2 and 4 sizes per power of two: the same speed once compiled
-# (0.71-0.72x of Keras's layer); two bound the padding (memory) at 50% with
-# half the compilations of four.
+# 2**(k - 1) where 2**k <= rows < 2**(k + 1), which pads at most 50%. One,
+# two and four sizes per power of two ran at the same speed once compiled;
+# two bound the padding (memory) at 50% with half the compilations of four.
 _BUCKET_FRACTION_BITS = 1
 
 

@@ -1,8 +1,10 @@
 """Argument and input checks shared by the layers, with Keras-style messages."""
 
+import math
 import numbers
 
 import keras
+import numpy as np
 
 
 def check_epsilon(epsilon) -> float:
@@ -12,13 +14,55 @@ def check_epsilon(epsilon) -> float:
             "`epsilon` must be a positive float added to the variance. "
             f"Received: epsilon={epsilon!r} of type {type(epsilon).__name__}"
         )
-    if not epsilon > 0:
+    if not (epsilon > 0 and math.isfinite(epsilon)):
         raise ValueError(
-            "`epsilon` must be positive: it keeps the division by the standard "
-            "deviation finite for constant inputs. Use a small value such as "
-            f"1e-3 or 1e-5. Received: epsilon={epsilon}"
+            "`epsilon` must be positive and finite: it keeps the division by the "
+            "standard deviation finite for constant inputs (an infinite one "
+            "zeroes every output). Use a small value such as 1e-3 or 1e-5. "
+            f"Received: epsilon={epsilon}"
         )
     return float(epsilon)
+
+
+def check_bool(value, name: str) -> bool:
+    """Return `value` as a bool, or raise TypeError unless it is one."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"`{name}` must be True or False; other values are not read as "
+            f"truth values (the string 'no' would count as True). Received: "
+            f"{name}={value!r} of type {type(value).__name__}"
+        )
+    return bool(value)
+
+
+def _is_float_tensor(value) -> bool:
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not hasattr(value, "shape"):
+        return False
+    return "float" in keras.backend.standardize_dtype(dtype)
+
+
+def check_swish_beta(beta, allow_tensors: bool):
+    """Return `beta` (a float, or a float tensor if allowed), or raise.
+
+    Raises TypeError for anything that is not a real number (or, when
+    `allow_tensors`, a float tensor or variable), ValueError for nan/inf.
+    """
+    is_number = isinstance(beta, numbers.Real) and not isinstance(beta, bool)
+    if not is_number and not (allow_tensors and _is_float_tensor(beta)):
+        expected = "a float or a float tensor" if allow_tensors else "a float"
+        raise TypeError(
+            f"`beta` must be {expected}, the scale of the sigmoid's input. "
+            f"Pass a number such as 1.0. Received: beta={beta!r} of type "
+            f"{type(beta).__name__}"
+        )
+    if is_number and not math.isfinite(beta):
+        raise ValueError(
+            "`beta` must be finite: the sigmoid of an infinite or nan scale "
+            "gives a step function or nan outputs. Pass a number such as 1.0. "
+            f"Received: beta={beta}"
+        )
+    return float(beta) if is_number else beta
 
 
 def check_axis_type(axis, allow_list: bool):

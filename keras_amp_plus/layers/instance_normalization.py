@@ -1,13 +1,10 @@
 """`InstanceNormalization` with float32 statistics, loading TF Addons configs."""
 
 import keras
-import tensorflow as tf
 
 from keras_amp_plus.layers import _validation
-from keras_amp_plus.layers._fused_normalization import (
-    fused_normalize,
-    statistics_dtype,
-)
+from keras_amp_plus.layers._fused_normalization import fused_normalize
+from keras_amp_plus.layers._precision import broadcast_weights
 
 _LAYER_NAME = "InstanceNormalization"
 
@@ -20,7 +17,9 @@ class InstanceNormalization(keras.layers.Layer):
     (height and width for images), then applies a per-channel `gamma` and
     `beta`. In float32 it equals `keras.layers.GroupNormalization(groups=-1)`.
     Statistics are computed in float32 under every policy, and forward and
-    backward each run as one XLA-fused kernel; `gamma`/`beta` stay float32
+    backward each run as one XLA-fused kernel (or, where that is not faster
+    on this CPU, as Keras's formula does; see `LayerNormalization`);
+    `gamma`/`beta` stay float32
     under mixed policies and the output has the layer's compute dtype. XLA
     compiles a kernel per input shape: a model fed images of many different
     sizes compiles once per size.
@@ -77,6 +76,7 @@ class InstanceNormalization(keras.layers.Layer):
         # TF Addons configs carry `groups`; it is checked against the channel
         # count in build() and never rewritten.
         self._addons_groups = kwargs.pop("groups", None)
+        self._channels = None
         super().__init__(**kwargs)
         _validation.check_axis_type(axis, allow_list=False)
         self._check_addons_groups(channels=None)
@@ -92,6 +92,18 @@ class InstanceNormalization(keras.layers.Layer):
         self.gamma_constraint = keras.constraints.get(gamma_constraint)
         self.supports_masking = True
         self.autocast = False
+
+    @property
+    def groups(self) -> int:
+        """The number of groups, one per channel, as TF Addons' layer had it.
+
+        The channel count once built; before, the `groups` of a TF Addons
+        config, else -1 ("one group per channel", GroupNormalization's
+        spelling). Not a constructor argument: `get_config()` leaves it out.
+        """
+        if self._channels is not None:
+            return self._channels
+        return -1 if self._addons_groups is None else self._addons_groups
 
     def _check_addons_groups(self, channels):
         """Raise unless a TF Addons `groups` means one group per channel."""
@@ -130,6 +142,7 @@ class InstanceNormalization(keras.layers.Layer):
         _validation.check_defined_dims([channel_axis], input_shape, _LAYER_NAME)
         channels = input_shape[channel_axis]
         self._check_addons_groups(channels)
+        self._channels = channels
         self.gamma = self._add_channel_weight("gamma", channels, self.scale)
         self.beta = self._add_channel_weight("beta", channels, self.center)
 
@@ -152,22 +165,9 @@ class InstanceNormalization(keras.layers.Layer):
         rank = len(inputs.shape)
         channel_axis = self.axis % rank
         stat_axes = tuple(a for a in range(1, rank) if a != channel_axis)
-        broadcast_shape = [1] * rank
-        broadcast_shape[channel_axis] = inputs.shape[channel_axis]
-        dtype = statistics_dtype(inputs.dtype)
-
-        def reshaped(weight, fill):
-            if weight is None:
-                return tf.fill(broadcast_shape, tf.constant(fill, dtype))
-            return tf.reshape(tf.cast(weight, dtype), broadcast_shape)
-
+        gamma, beta = broadcast_weights(self.gamma, self.beta, inputs, (channel_axis,))
         return fused_normalize(
-            inputs,
-            reshaped(self.gamma, 1.0),
-            reshaped(self.beta, 0.0),
-            self.epsilon,
-            stat_axes,
-            self.compute_dtype,
+            inputs, gamma, beta, self.epsilon, stat_axes, self.compute_dtype
         )
 
     def compute_output_shape(self, input_shape):

@@ -5,10 +5,8 @@ import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus.layers import _validation
-from keras_amp_plus.layers._fused_normalization import (
-    fused_normalize,
-    statistics_dtype,
-)
+from keras_amp_plus.layers._fused_normalization import fused_normalize
+from keras_amp_plus.layers._precision import broadcast_weights
 
 _LAYER_NAME = "LayerNormalization"
 _ITEX_MIN_EPSILON = 1.001e-5
@@ -28,7 +26,10 @@ class LayerNormalization(keras.layers.LayerNormalization):
       TensorFlow's graph-level `auto_mixed_precision_onednn_bfloat16` rewrite,
       which turns Keras's own statistics ops into bfloat16;
     - forward and backward each run as one XLA-fused kernel, and the backward
-      pass keeps only the input and two statistics per row alive; XLA compiles
+      pass keeps only the input and two statistics per row alive, wherever
+      that is faster than Keras's formula on this CPU; elsewhere (smaller
+      tensors inside a `jit_compile=True` step, or on CPUs without AVX-512)
+      the layer runs Keras's formula, statistics still float32; XLA compiles
       a kernel per input shape, so inputs whose length changes from batch to
       batch (`keras.Input((None, features))`) are padded to one of two row
       counts per power of two, bounding the compilations over a whole `fit`
@@ -127,18 +128,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
 
     def _broadcast_weights(self, inputs, axes):
         """Return gamma and beta reshaped to broadcast against `inputs`."""
-        rank = len(inputs.shape)
-        dtype = statistics_dtype(inputs.dtype)
-        broadcast_shape = [1] * rank
-        for axis in axes:
-            broadcast_shape[axis] = inputs.shape[axis]
-
-        def reshaped(weight, fill):
-            if weight is None:
-                return tf.fill(broadcast_shape, tf.constant(fill, dtype))
-            return tf.reshape(tf.cast(weight, dtype), broadcast_shape)
-
-        return reshaped(self.gamma, 1.0), reshaped(self.beta, 0.0)
+        return broadcast_weights(self.gamma, self.beta, inputs, axes)
 
     def _rms_scaled(self, inputs, axes):
         """Keras's deprecated `rms_scaling` formula, statistics in float32."""

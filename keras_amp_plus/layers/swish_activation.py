@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus.layers import _row_buckets, _validation
+from keras_amp_plus.layers._precision import statistics_dtype
 
 
 @tf.function(jit_compile=True)
@@ -56,13 +57,14 @@ def swish(x, beta=1.0):
     """Swish activation, `x * sigmoid(beta * x)`, in the input's dtype.
 
     Usable wherever Keras takes an activation: `activation=swish`, or by its
-    registered name `"keras_amp_plus>swish"`. The gradient recomputes the
+    registered name `"keras_amp_plus>swish"`, and on symbolic `keras.Input`
+    tensors while building a functional model. The gradient recomputes the
     sigmoid, so the backward pass keeps only `x` (as `tf.nn.silu` does), and
     forward and backward each run as one XLA-fused kernel.
 
     Args:
-        x: Float input tensor.
-        beta: Float (or float tensor) scaling the sigmoid's input.
+        x: Float input tensor (any float dtype) or `KerasTensor`.
+        beta: Finite float (or float tensor) scaling the sigmoid's input.
             Defaults to `1.0`.
 
     Returns:
@@ -78,15 +80,35 @@ def swish(x, beta=1.0):
     Reference:
     - [Ramachandran et al., 2017](https://arxiv.org/abs/1710.05941).
     """
+    beta = _validation.check_swish_beta(beta, allow_tensors=True)
+    if keras.backend.is_keras_tensor(x):
+        # Functional model building: record an operation, as Keras's own
+        # activations do, which runs this function on real tensors later.
+        return _SwishOperation(beta)(x)
     x = tf.convert_to_tensor(x)
     # The result has x's dtype: integers would come back truncated.
     _validation.check_float_input(x, "swish", argument="x")
-    wide = tf.float64 if x.dtype == tf.float64 else tf.float32
+    wide = statistics_dtype(x.dtype)
     beta_is_constant = isinstance(beta, numbers.Real)
     return _swish(x, tf.cast(beta, wide), with_beta_grad=not beta_is_constant)
 
 
 _compat.register_activation_name("keras_amp_plus>swish", swish)
+
+
+class _SwishOperation(keras.Operation):
+    """`swish` as a Keras operation, for symbolic `KerasTensor` inputs."""
+
+    def __init__(self, beta):
+        super().__init__(name="swish")
+        self.beta = beta
+
+    def call(self, x):
+        return swish(x, self.beta)
+
+    def compute_output_spec(self, x):
+        _validation.check_float_input(x, "swish", argument="x")
+        return keras.KerasTensor(x.shape, dtype=x.dtype)
 
 
 @keras.saving.register_keras_serializable(package="keras_amp_plus")
@@ -105,9 +127,9 @@ class Swish(keras.layers.Layer):
     initialized to `beta`.
 
     Args:
-        beta: Float, the sigmoid's input scale (the initial value when
-            trainable). Defaults to `1.0`.
-        trainable_beta: If True, learn `beta`. Defaults to `False`.
+        beta: Finite float, the sigmoid's input scale (the initial value
+            when trainable). Defaults to `1.0`.
+        trainable_beta: Bool; if True, learn `beta`. Defaults to `False`.
         **kwargs: Base layer keyword arguments (`name`, `dtype`, ...).
 
     Example:
@@ -125,14 +147,11 @@ class Swish(keras.layers.Layer):
     """
 
     def __init__(self, beta: float = 1.0, trainable_beta: bool = False, **kwargs):
+        beta = _validation.check_swish_beta(beta, allow_tensors=False)
+        trainable_beta = _validation.check_bool(trainable_beta, "trainable_beta")
         super().__init__(**kwargs)
-        if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
-            raise TypeError(
-                "`beta` must be a float, the scale of the sigmoid's input. "
-                f"Received: beta={beta!r} of type {type(beta).__name__}"
-            )
-        self.initial_beta = float(beta)
-        self.trainable_beta = bool(trainable_beta)
+        self.initial_beta = beta
+        self.trainable_beta = trainable_beta
         self.supports_masking = True
 
     def build(self, input_shape):
@@ -151,7 +170,7 @@ class Swish(keras.layers.Layer):
     def call(self, inputs):
         """Return `inputs * sigmoid(beta * inputs)` in the compute dtype."""
         _validation.check_float_input(inputs, "Swish")
-        wide = tf.float64 if inputs.dtype == tf.float64 else tf.float32
+        wide = statistics_dtype(inputs.dtype)
         if self.beta is None:
             return _swish(inputs, tf.constant(self.initial_beta, wide), False)
         return _swish(inputs, tf.cast(self.beta, wide), True)

@@ -1,0 +1,292 @@
+"""End-to-end `fit` speed: float32, Keras mixed_bfloat16, our layers, full product.
+
+Two small models, trained with Keras's `fit` on random data:
+
+- "transformer": a token classifier, embedding + `--blocks` encoder blocks
+  (MultiHeadAttention, a Swish feed-forward, LayerNormalization after each
+  residual), average pooling, softmax head;
+- "cnn": three convolutions, each followed by InstanceNormalization and
+  Swish, average pooling, softmax head.
+
+Variants, each with `jit_compile` off and on:
+
+- `float32`: Keras's layers (`LayerNormalization`,
+  `GroupNormalization(groups=-1)`, `Activation("swish")`), float32 policy;
+- `keras_bf16`: the same under `mixed_bfloat16`;
+- `ours_bf16`: keras_amp_plus's layers under `mixed_bfloat16`;
+- `full_product`: our layers + `LossScaleOptimizer.guard(Adam)` +
+  `AMPMonitor(log_dir)` at its defaults.
+
+All variants of a model are built and warmed up first (one `fit` epoch:
+tracing and XLA compilation are not timed), then run `--rounds` rounds, each
+one `fit` epoch of `--steps` steps per variant, variants interleaved in an
+order that rotates every round. A callback placed last times each epoch from
+its second batch to its end (process CPU time, all threads, so other
+processes on a shared machine inflate it little); steps/s are per CPU second.
+The table gives the median over rounds, the spread (max - min over median) and
+the speed-up over the float32 run of the same model and jit mode in this run.
+A variant that cannot run (e.g. the monitor under XLA on an older build) is
+reported as "n/a: <reason>" instead of stopping the run.
+
+The JSON is written to `benchmarks/results/training_<cpu kind>.json`.
+
+Usage: python benchmarks/training.py [--quick] [--rounds N] [--steps N]
+    [--models transformer cnn] [--output PATH]
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from layers import cpu_info, cpu_kind  # benchmarks/layers.py
+
+from keras_amp_plus import layers
+from keras_amp_plus.callbacks import AMPMonitor
+from keras_amp_plus.optimizers import LossScaleOptimizer
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+VARIANTS = ("float32", "keras_bf16", "ours_bf16", "full_product")
+CLASSES = 10
+
+
+def layer_set(ours):
+    """Return constructors (layer norm, instance norm, swish) of one kind."""
+    if ours:
+        return layers.LayerNormalization, layers.InstanceNormalization, layers.Swish
+    return (
+        keras.layers.LayerNormalization,
+        lambda: keras.layers.GroupNormalization(groups=-1),
+        lambda: keras.layers.Activation("swish"),
+    )
+
+
+def transformer(ours, size):
+    """A small encoder classifier over token ids."""
+    layer_norm, _, swish = layer_set(ours)
+    length, width, heads, vocab = size["length"], size["width"], 4, 1000
+    tokens = keras.Input((length,), dtype="int32")
+    x = keras.layers.Embedding(vocab, width)(tokens)
+    for _ in range(size["blocks"]):
+        attention = keras.layers.MultiHeadAttention(heads, width // heads)(x, x)
+        x = layer_norm()(x + attention)
+        hidden = swish()(keras.layers.Dense(4 * width)(x))
+        x = layer_norm()(x + keras.layers.Dense(width)(hidden))
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(CLASSES, activation="softmax", dtype="float32")(x)
+    return keras.Model(tokens, outputs)
+
+
+def cnn(ours, size):
+    """A small convolutional classifier with instance normalization."""
+    _, instance_norm, swish = layer_set(ours)
+    images = keras.Input((size["image"], size["image"], 3))
+    x = images
+    for filters, strides in ((32, 1), (64, 2), (128, 2)):
+        x = keras.layers.Conv2D(filters, 3, strides=strides, padding="same")(x)
+        x = swish()(instance_norm()(x))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(CLASSES, activation="softmax", dtype="float32")(x)
+    return keras.Model(images, outputs)
+
+
+def data(model_name, size, steps):
+    rng = np.random.default_rng(0)
+    count = size["batch"] * steps
+    if model_name == "transformer":
+        x = rng.integers(0, 1000, (count, size["length"])).astype("int32")
+    else:
+        x = rng.normal(0, 1, (count, size["image"], size["image"], 3))
+        x = x.astype("float32")
+    return x, rng.integers(0, CLASSES, count)
+
+
+class EpochTimer(keras.callbacks.Callback):
+    """Process CPU time of each epoch from its second batch to its end."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds, self.steps, self._start = [], [], None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 1:
+            self._start = time.process_time()
+        self._last_batch = batch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.process_time() - self._start)
+        self.steps.append(self._last_batch)
+
+
+def _reason(error):
+    """Return the informative line of an exception (TF's first is generic)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if "must be" in line or "not supported" in line or "compile" in line:
+            return line[:200]
+    return (lines[-1] if lines else "")[:200]
+
+
+class Variant:
+    """One model of one variant, compiled, with its own timer."""
+
+    def __init__(self, model_name, name, jit, size, log_root):
+        self.name, self.jit = name, jit
+        policy = "float32" if name == "float32" else "mixed_bfloat16"
+        previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy(policy)
+        try:
+            keras.utils.set_random_seed(0)
+            build = transformer if model_name == "transformer" else cnn
+            self.model = build(name in ("ours_bf16", "full_product"), size)
+        finally:
+            keras.config.set_dtype_policy(previous)
+        optimizer = keras.optimizers.Adam(1e-4)
+        self.callbacks = []
+        if name == "full_product":
+            optimizer = LossScaleOptimizer.guard(optimizer)
+            log_dir = os.path.join(log_root, f"{model_name}_{int(jit)}")
+            self.callbacks.append(AMPMonitor(log_dir=log_dir))
+        self.timer = EpochTimer()
+        self.callbacks.append(self.timer)
+        self.model.compile(
+            optimizer=optimizer,
+            loss="sparse_categorical_crossentropy",
+            jit_compile=jit,
+        )
+        self.error = None
+
+    def run_epoch(self, x, y, batch):
+        if self.error is not None:
+            return
+        try:
+            self.model.fit(
+                x, y, batch_size=batch, epochs=1, verbose=0, callbacks=self.callbacks
+            )
+        except Exception as error:  # report the cell, keep the run going
+            self.error = f"{type(error).__name__}: {_reason(error)}"
+
+
+def run_model(model_name, size, rounds, steps, log_root):
+    x, y = data(model_name, size, steps)
+    variants = [
+        Variant(model_name, name, jit, size, log_root)
+        for jit in (False, True)
+        for name in VARIANTS
+    ]
+    for variant in variants:  # warm-up: trace, compile
+        variant.run_epoch(x, y, size["batch"])
+        variant.timer.seconds.clear()
+        variant.timer.steps.clear()
+    for round_index in range(rounds):
+        shift = round_index % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            variant.run_epoch(x, y, size["batch"])
+    rows = []
+    for variant in variants:
+        row = {"model": model_name, "variant": variant.name, "jit_compile": variant.jit}
+        if variant.error is not None:
+            row["error"] = variant.error
+        else:
+            timer = variant.timer
+            rates = [s / t for s, t in zip(timer.steps, timer.seconds, strict=True)]
+            median = statistics.median(rates)
+            row.update(
+                steps_per_cpu_second=median,
+                spread=(max(rates) - min(rates)) / median,
+                rounds=len(rates),
+            )
+        rows.append(row)
+    for row in rows:
+        base = next(
+            r
+            for r in rows
+            if r["variant"] == "float32" and r["jit_compile"] == row["jit_compile"]
+        )
+        if "error" not in row and "error" not in base:
+            row["speedup_over_float32"] = (
+                row["steps_per_cpu_second"] / base["steps_per_cpu_second"]
+            )
+    keras.backend.clear_session()
+    return rows
+
+
+def print_table(rows):
+    print(
+        f"\n{'model':<12} {'variant':<13} {'jit':<5} {'steps/s':>8} "
+        f"{'spread':>7} {'vs fp32':>8}"
+    )
+    for r in rows:
+        head = f"{r['model']:<12} {r['variant']:<13} {r['jit_compile']!s:<5}"
+        if "error" in r:
+            print(f"{head} n/a: {r['error']}")
+            continue
+        print(
+            f"{head} {r['steps_per_cpu_second']:8.2f} {100 * r['spread']:6.1f}% "
+            f"{r.get('speedup_over_float32', float('nan')):7.2f}x"
+        )
+    print("steps/s per CPU second, median over rounds; spread = (max-min)/median")
+
+
+SIZES = {
+    "transformer": {"blocks": 2, "length": 64, "width": 256, "batch": 32},
+    "cnn": {"image": 64, "batch": 16},
+}
+QUICK_SIZES = {
+    "transformer": {"blocks": 1, "length": 32, "width": 64, "batch": 8},
+    "cnn": {"image": 16, "batch": 4},
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="default 5")
+    parser.add_argument("--steps", type=int, default=None, help="default 8")
+    parser.add_argument("--models", nargs="+", default=list(SIZES), choices=SIZES)
+    parser.add_argument("--output", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    rounds = args.rounds or (2 if args.quick else 5)
+    steps = args.steps or (4 if args.quick else 8)
+    sizes = QUICK_SIZES if args.quick else SIZES
+    info = cpu_info()
+    tag = cpu_kind(info) + ("_quick" if args.quick else "")
+    output = args.output or RESULTS / f"training_{tag}.json"
+    print(f"CPU: {info['model']}; features {info['features']}; oneDNN {info['onednn']}")
+    start = time.time()
+    rows = []
+    with tempfile.TemporaryDirectory() as log_root:
+        for model_name in args.models:
+            rows += run_model(model_name, sizes[model_name], rounds, steps, log_root)
+            print_table([r for r in rows if r["model"] == model_name])
+    print(f"wall time {time.time() - start:.0f} s")
+    meta = {
+        "cpu": info,
+        "cpu_kind": cpu_kind(info),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "sizes": {name: sizes[name] for name in args.models},
+        "rounds": rounds,
+        "steps_per_epoch": steps,
+        "command": " ".join(["python", *sys.argv]),
+        "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()

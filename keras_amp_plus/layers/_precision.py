@@ -1,0 +1,59 @@
+"""The wide dtype the layers compute statistics and activations in."""
+
+import tensorflow as tf
+
+
+def statistics_dtype(dtype) -> tf.DType:
+    """Return the dtype to compute in for inputs of `dtype`: float32 or float64.
+
+    Statistics (and Swish's arithmetic) run in float32 for every input
+    precision below it, and in float64 for float64 inputs, so that a float64
+    model keeps float64 results.
+
+    Args:
+        dtype: the input's dtype (a `tf.DType` or its name).
+
+    Returns:
+        `tf.float64` for float64 inputs, `tf.float32` otherwise.
+
+    Example:
+    >>> statistics_dtype("bfloat16").name, statistics_dtype("float64").name
+    ('float32', 'float64')
+    """
+    return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
+
+
+def broadcast_weights(gamma, beta, inputs, kept_axes):
+    """Return `gamma` and `beta` shaped to broadcast against `inputs`.
+
+    Both normalization layers keep per-feature (or per-channel) weights; the
+    kernels take them with one axis per input axis, size 1 except along
+    `kept_axes`, in `statistics_dtype(inputs.dtype)`. A missing weight
+    (`scale=False` / `center=False`) becomes ones / zeros of that shape.
+
+    Args:
+        gamma: the scale variable, or None.
+        beta: the offset variable, or None.
+        inputs: the layer's input tensor (its static shape is used).
+        kept_axes: non-negative ints, the axes the weights vary along.
+
+    Returns:
+        `(gamma, beta)` as tensors of the broadcast shape.
+
+    Example:
+    >>> import tensorflow as tf
+    >>> gamma, beta = broadcast_weights(None, None, tf.zeros([2, 3, 4]), (2,))
+    >>> gamma.shape.as_list(), float(tf.reduce_sum(gamma)), beta.dtype.name
+    ([1, 1, 4], 4.0, 'float32')
+    """
+    dtype = statistics_dtype(inputs.dtype)
+    shape = [1] * inputs.shape.rank
+    for axis in kept_axes:
+        shape[axis] = inputs.shape[axis]
+
+    def reshaped(weight, fill):
+        if weight is None:
+            return tf.fill(shape, tf.constant(fill, dtype))
+        return tf.reshape(tf.cast(weight, dtype), shape)
+
+    return reshaped(gamma, 1.0), reshaped(beta, 0.0)

@@ -22,7 +22,8 @@ test: $(PY)
 	$(PY) -m pytest tests
 	$(PY) -m pytest --nbmake notebooks
 
-BENCHMARKS := benchmarks/layers.py benchmarks/loss_scale.py benchmarks/monitor.py
+BENCHMARKS := benchmarks/layers.py benchmarks/training.py benchmarks/loss_scale.py \
+	benchmarks/monitor.py
 
 bench: $(PY)
 	for script in $(BENCHMARKS); do $(PY) $$script || exit 1; done

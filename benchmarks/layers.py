@@ -40,8 +40,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
+from machine import cpu_kind, print_header
 
-from keras_amp_plus import _compat, cpu_features, layers
+from keras_amp_plus import layers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 POLICIES = ("mixed_bfloat16", "mixed_float16", "float32")
@@ -91,33 +92,6 @@ def layer_pair(kind):
             keras.layers.GroupNormalization(groups=-1),
         )
     return layers.Swish(), keras.layers.Activation("swish")
-
-
-def cpu_info():
-    """Return the CPU model, its low-precision features and oneDNN's state."""
-    text = cpu_features.read_cpuinfo()
-    flags = cpu_features.parse_cpu_flags(text) if text else None
-    return {
-        "model": cpu_features.parse_cpu_model(text) if text else None,
-        "features": cpu_features.low_precision_features(flags),
-        "avx512f": None if flags is None else "avx512f" in flags,
-        "onednn": _compat.onednn_enabled(),
-        "cpu_count": os.cpu_count(),
-    }
-
-
-def cpu_kind(info):
-    """Return a short file-name tag for the CPU: vendor and bf16 features."""
-    model = (info["model"] or "unknown").lower()
-    vendor = "intel" if "intel" in model else "amd" if "amd" in model else "cpu"
-    features = info["features"] or {}
-    if features.get("amx_bf16"):
-        kind = f"{vendor}_amx"
-    else:
-        kind = f"{vendor}_avx512" if info["avx512f"] else f"{vendor}_avx2"
-    # oneDNN off where TF would turn it on (TF_ENABLE_ONEDNN_OPTS=0): a run
-    # that approximates a CPU without it, kept apart from the default run.
-    return kind + ("_onednn_off" if info["onednn"] is False else "")
 
 
 def make_step(layer, jit):
@@ -245,18 +219,10 @@ def parse_args():
 def main():
     args = parse_args()
     reps = args.reps or (3 if args.quick else 5)
-    info = cpu_info()
+    info = print_header("Layers vs Keras's, forward + backward, CPU time ratio")
     kind_tag = cpu_kind(info)
     suffix = "_quick" if args.quick else ""
     output = args.output or RESULTS / f"layers_{kind_tag}{suffix}.json"
-    features = info["features"] or {}
-    bf16 = [cpu_features.LOW_PRECISION_FLAGS[f] for f in features if features[f]]
-    print(f"CPU: {info['model']} ({info['cpu_count']} cores)")
-    print(
-        f"bf16/fp16 features: {', '.join(bf16) or 'none'}; "
-        f"avx512f: {info['avx512f']}; oneDNN: {info['onednn']}; "
-        f"TF {tf.__version__}, Keras {keras.__version__}"
-    )
     grid = QUICK_GRID if args.quick else GRID
     rows = []
     start = time.time()

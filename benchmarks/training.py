@@ -51,7 +51,7 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from layers import cpu_info, cpu_kind  # benchmarks/layers.py
+from machine import cpu_kind, print_header
 
 from keras_amp_plus import layers
 from keras_amp_plus.callbacks import AMPMonitor
@@ -261,10 +261,9 @@ def main():
     rounds = args.rounds or (2 if args.quick else 5)
     steps = args.steps or (4 if args.quick else 8)
     sizes = QUICK_SIZES if args.quick else SIZES
-    info = cpu_info()
+    info = print_header("End-to-end training steps per CPU second")
     tag = cpu_kind(info) + ("_quick" if args.quick else "")
     output = args.output or RESULTS / f"training_{tag}.json"
-    print(f"CPU: {info['model']}; features {info['features']}; oneDNN {info['onednn']}")
     start = time.time()
     rows = []
     with tempfile.TemporaryDirectory() as log_root:

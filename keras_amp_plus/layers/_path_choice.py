@@ -30,7 +30,7 @@ import os
 
 import tensorflow as tf
 
-from keras_amp_plus import _compat, cpu_features
+from keras_amp_plus import _compat, _hardware
 
 FUSED_KERNELS = "fused_kernels"
 KERAS_FORMULA = "keras_formula"
@@ -52,8 +52,8 @@ _GRAPH_REWRITES = (
 @functools.cache
 def cpu_has_avx512() -> bool:
     """Return True when this CPU lists AVX-512 (unknown CPUs count as not)."""
-    text = cpu_features.read_cpuinfo()
-    return text is not None and "avx512f" in cpu_features.parse_cpu_flags(text)
+    text = _hardware.read_cpuinfo()
+    return text is not None and "avx512f" in _hardware.parse_cpu_flags(text)
 
 
 def graph_rewrite_on() -> bool:

@@ -48,6 +48,9 @@ class MonitorSession:
         self.index = LayerIndex(model)
         self.recorder = StepRecorder(model, capacity)
         self.recorder.install()
+        # `fit` built its train function before `on_train_begin`; rebuilding it
+        # (not deleting it) makes the next step trace through the wrappers.
+        model.make_train_function(force=True)
         self.collector = EventCollector(
             model, self.recorder, self.index, monitor.replay
         )
@@ -216,5 +219,6 @@ class MonitorSession:
         """Flush, close and uninstall (end of `fit`)."""
         self.log.close()
         self.recorder.uninstall()
+        self.model.make_train_function(force=True)
         if self.engine.level == "op":
             self.engine.restore()

@@ -15,10 +15,10 @@ of the offending step is replayed eagerly with every layer's `call` wrapped, and
 the first layer, in the order the calls finish, whose inputs are finite but
 whose output is not is the one that overflowed: calls finish from the inside
 out, so this is the innermost such layer (MultiHeadAttention itself when its
-attention scores, computed between its sublayers, overflow). Layers are wrapped through an
-instance attribute restored in `finally`, and non-trainable variables (batch
-norm statistics, seed generator states) are put back after the replay, so the
-replay leaves no trace in the model.
+attention scores, computed between its sublayers, overflow). Layers are
+wrapped through an instance attribute restored in `finally`, and non-trainable
+variables (batch norm statistics, seed generator states) are put back after the
+replay, so the replay leaves no trace in the model.
 """
 
 import keras

@@ -105,7 +105,9 @@ class StepRecorder:
         with self.strategy.scope():
             self.total_steps = _variable("amp_monitor_total_steps", (), tf.int64)
             self.event_count = _variable("amp_monitor_event_count", (), tf.int64)
-            self.event_steps = _variable("amp_monitor_event_steps", [capacity], tf.int64)
+            self.event_steps = _variable(
+                "amp_monitor_event_steps", [capacity], tf.int64
+            )
             self.scales_before = _variable(
                 "amp_monitor_scales_before", [capacity], tf.float32
             )
@@ -267,9 +269,10 @@ class StepRecorder:
         flat = tf.nest.flatten(data)
         leaves = [tf.convert_to_tensor(t) for t in flat if t is not None]
         signature = [(t.dtype, t.shape.rank) for t in leaves]
-        if self._stash_variables is None or [
-            (b.dtype, b.rank) for b in self._stash_variables
-        ] != signature:
+        if (
+            self._stash_variables is None
+            or [(b.dtype, b.rank) for b in self._stash_variables] != signature
+        ):
             context = tf.distribute.get_replica_context()
             if tf.distribute.has_strategy() and context is not None:
                 # Replicas trace in their own threads: one merge_call creates

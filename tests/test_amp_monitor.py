@@ -193,8 +193,9 @@ def test_keras_scaler_events_from_scale_changes(tmp_path):
     assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer
     monitor = AMPMonitor(str(tmp_path), read_every_steps=5)
     history = train(model, [monitor], epochs=2)
-    assert history.history["overflow_events"] == [STEPS_PER_EPOCH, 0]
-    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    assert history.history["overflow_events"][0] == STEPS_PER_EPOCH
+    records = read_jsonl(str(tmp_path))
+    events = [r for r in records if r["type"] == "overflow" and r["epoch"] == 0]
     # Exact count and scales from the in-graph ring, without our scaler.
     assert [e["scale_before"] for e in events] == [
         2.0 ** (15 - i) for i in range(STEPS_PER_EPOCH)
@@ -202,7 +203,9 @@ def test_keras_scaler_events_from_scale_changes(tmp_path):
     assert all(e["layers"] == ["hot"] for e in events)
     assert all(e["implicated_layers"] == [] for e in events)
     assert model.get_layer("hot").compute_dtype == "float32"
-    assert model.optimizer.dynamic_scale.numpy() == 2.0**7
+    # Put back to its value before the forward overflows (Keras's scaler too).
+    restored = [r for r in records if r["type"] == "scale_restored"]
+    assert [(r["from"], r["to"]) for r in restored] == [(2.0**7, 2.0**15)]
 
 
 @pytest.mark.parametrize("scaler", ["none", "guard"])
@@ -322,8 +325,11 @@ def test_custom_train_step_forward_overflow_is_still_replayed(tmp_path):
     model.compile(LossScaleOptimizer(keras.optimizers.Adam(0.1)))
     monitor = AMPMonitor(str(tmp_path), read_every_steps=4)
     history = train(model, [monitor], epochs=2)
-    assert history.history["overflow_events"] == [STEPS_PER_EPOCH, 0]
-    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    # Epoch 1 may hold the scaler's search from the scale put back (untrusted).
+    assert history.history["overflow_events"][0] == STEPS_PER_EPOCH
+    events = [
+        r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow" and r["trusted"]
+    ]
     assert {(tuple(e["layers"]), e["direction"]) for e in events} == {
         (("hot",), "forward")
     }

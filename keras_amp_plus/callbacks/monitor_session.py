@@ -46,7 +46,7 @@ class MonitorSession:
         self.read_every = monitor.read_every_steps or capacity
         checks.check_read_interval(self.read_every, model.steps_per_execution, capacity)
         self.index = LayerIndex(model)
-        self.recorder = StepRecorder(model, capacity)
+        self.recorder = StepRecorder(model, capacity, monitor.exclude_skipped_steps)
         self.recorder.install()
         # `fit` built its train function before `on_train_begin`; rebuilding it
         # (not deleting it) makes the next step trace through the wrappers.

@@ -201,8 +201,14 @@ class StepRecorder:
 
     def _forget_skipped(self, skipped, saved, outputs):
         """Put the metrics back as they were before a skipped step."""
-        for variable, before in zip(self._metric_variables(), saved, strict=True):
-            variable.assign(tf.where(skipped, before, tf.convert_to_tensor(variable)))
+
+        def restore():
+            for variable, before in zip(self._metric_variables(), saved, strict=True):
+                variable.assign(before)
+            return tf.constant(0)
+
+        # Only on a skipped step: normal steps pay no writes.
+        tf.cond(skipped, restore, lambda: tf.constant(0))
         results = self.model.get_metrics_result()
         if isinstance(outputs, dict) and set(outputs) == set(results):
             return results

@@ -269,3 +269,32 @@ def test_mirrored_strategy_on_two_logical_cpus(tmp_path):
     events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
     first = [r["step"] for r in events if r["epoch"] == 0]
     assert first == list(range(1, STEPS_PER_EPOCH + 1))
+
+
+class CountingModel(keras.Model):
+    """Counts how often its train step is traced (a Python side effect)."""
+
+    traces = 0
+
+    def train_step(self, data):
+        CountingModel.traces += 1
+        return super().train_step(data)
+
+
+def test_repeated_fits_reuse_the_traced_step():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = CountingModel(inputs, keras.layers.Dense(1, name="head")(inputs))
+    model.compile("sgd", "mse")
+    monitor = AMPMonitor()
+    x, y = np.ones((32, 4)), np.ones((32, 1))
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    after_first = CountingModel.traces
+    for _ in range(3):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    assert after_first >= 1
+    assert CountingModel.traces == after_first
+    # Recompiling makes a new train function: traced again, still recorded.
+    model.compile("sgd", "mse")
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    assert CountingModel.traces > after_first

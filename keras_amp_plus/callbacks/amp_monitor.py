@@ -168,6 +168,7 @@ class AMPMonitor(keras.callbacks.Callback):
         )
         self.state = MonitorState(lists=self.lists.get_config())
         self._session = None
+        self._step_cache = None
 
     # -- fit hooks ---------------------------------------------------------------
     def on_train_begin(self, logs=None):

@@ -30,6 +30,39 @@ GUARD_ADVICE = (
 )
 
 
+class StepCache:
+    """The instrumented train function of the last `fit`, for the next one.
+
+    Tracing the whole step again costs seconds on a large model; a loop that
+    calls `fit` repeatedly with the same monitor reuses it as long as the
+    model was not recompiled (Keras then makes a new train function) and the
+    lists did not change (the engine then rebuilds it).
+
+    Args:
+        model: the model.
+        recorder: its `StepRecorder` (the traced step writes its variables).
+        plain_function: the uninstrumented train function left on the model.
+        wrapped_function: the instrumented one.
+    """
+
+    def __init__(self, model, recorder, plain_function, wrapped_function):
+        self.model = model
+        self.optimizer = model.optimizer
+        self.recorder = recorder
+        self.plain_function = plain_function
+        self.wrapped_function = wrapped_function
+
+    def fits(self, model, capacity, monitor) -> bool:
+        """Return True when the cached step is valid for this `fit`."""
+        return (
+            self.model is model
+            and self.optimizer is model.optimizer
+            and model.train_function is self.plain_function
+            and self.recorder.capacity == capacity
+            and self.recorder.exclude_skipped_steps == monitor.exclude_skipped_steps
+        )
+
+
 class MonitorSession:
     """State of one `fit` call (see module doc)."""
 
@@ -46,11 +79,19 @@ class MonitorSession:
         self.read_every = monitor.read_every_steps or capacity
         checks.check_read_interval(self.read_every, model.steps_per_execution, capacity)
         self.index = LayerIndex(model)
-        self.recorder = StepRecorder(model, capacity, monitor.exclude_skipped_steps)
-        self.recorder.install()
-        # `fit` built its train function before `on_train_begin`; rebuilding it
-        # (not deleting it) makes the next step trace through the wrappers.
-        model.make_train_function(force=True)
+        cache = monitor._step_cache
+        if cache is not None and cache.fits(model, capacity, monitor):
+            # Nothing changed since the last `fit`: reuse the traced step.
+            self.recorder = cache.recorder
+            self.recorder.install()
+            model.train_function = cache.wrapped_function
+        else:
+            self.recorder = StepRecorder(model, capacity, monitor.exclude_skipped_steps)
+            self.recorder.install()
+            # `fit` built its train function before `on_train_begin`;
+            # rebuilding it (not deleting it) makes the next step trace
+            # through the wrappers.
+            model.make_train_function(force=True)
         self.collector = EventCollector(
             model, self.recorder, self.index, monitor.replay
         )
@@ -340,7 +381,11 @@ class MonitorSession:
     def close(self) -> None:
         """Flush, close and uninstall (end of `fit`)."""
         self.log.close()
+        wrapped = self.model.train_function
         self.recorder.uninstall()
         self.model.make_train_function(force=True)
+        self.monitor._step_cache = StepCache(
+            self.model, self.recorder, self.model.train_function, wrapped
+        )
         if self.engine.level == "op":
             self.engine.restore()

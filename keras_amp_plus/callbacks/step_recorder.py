@@ -197,13 +197,14 @@ class StepRecorder:
     def _metric_values(self):
         if not self.exclude_skipped_steps or self.kind == SCALER_NONE:
             return None
-        return [tf.identity(v) for v in self._metric_variables()]
+        # Metrics built by this very step (the first trace) are not restored.
+        return [(v, tf.identity(v)) for v in self._metric_variables()]
 
     def _forget_skipped(self, skipped, saved, outputs):
         """Put the metrics back as they were before a skipped step."""
 
         def restore():
-            for variable, before in zip(self._metric_variables(), saved, strict=True):
+            for variable, before in saved:
                 variable.assign(before)
             return tf.constant(0)
 

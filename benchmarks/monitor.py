@@ -104,7 +104,7 @@ class TimedMonitor(AMPMonitor):
         self._timed(super().on_epoch_end, epoch, logs)
 
 
-def build_model(setup, width, depth, num_features):
+def build_model(setup, width, depth, num_features, jit_compile=False):
     keras.config.set_dtype_policy("mixed_bfloat16")
     keras.utils.set_random_seed(0)
     inputs = keras.Input((num_features,))
@@ -117,12 +117,14 @@ def build_model(setup, width, depth, num_features):
     optimizer = keras.optimizers.Adam(1e-4)
     if setup == "bf16_guard":
         optimizer = LossScaleOptimizer.guard(optimizer)
-    model.compile(optimizer, loss="sparse_categorical_crossentropy")
+    model.compile(
+        optimizer, loss="sparse_categorical_crossentropy", jit_compile=jit_compile
+    )
     return model
 
 
 def time_run(setup, variant, dataset, args):
-    model = build_model(setup, args.width, args.depth, NUM_FEATURES)
+    model = build_model(setup, args.width, args.depth, NUM_FEATURES, args.jit)
     timer = EpochTimer()
     callbacks = [timer]
     with tempfile.TemporaryDirectory() as log_dir:
@@ -148,12 +150,13 @@ def time_run(setup, variant, dataset, args):
 def time_graph_step(setup, dataset, args):
     """Median ms/step of `model.train_function` called in a loop, without and
     with the monitor's in-graph recorder (no callbacks, no fit loop)."""
-    model = build_model(setup, args.width, args.depth, NUM_FEATURES)
+    model = build_model(setup, args.width, args.depth, NUM_FEATURES, args.jit)
     model.fit(dataset, epochs=1, steps_per_epoch=2, verbose=0)
     iterator = iter(dataset)
     model.make_train_function(force=True)
     functions = {"without": model.train_function}
     StepRecorder(model, 64).install()
+    model.make_train_function(force=True)
     functions["with_recorder"] = model.train_function
     for function in functions.values():
         for _ in range(5):
@@ -184,10 +187,12 @@ def main():
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--jit", action="store_true", help="compile the step with XLA")
     args = parser.parse_args()
     if args.quick:
         args.epochs, args.steps, args.width, args.graph_reps = 2, 64, 256, 5
-    name = "monitor_quick.json" if args.quick else "monitor.json"
+    name = "monitor_quick" if args.quick else "monitor"
+    name += "_jit.json" if args.jit else ".json"
     args.output = args.output or str(RESULTS / name)
 
     rng = np.random.default_rng(0)

@@ -128,6 +128,16 @@ def flatten_layers(layer) -> list:
     return list(layer._flatten_layers(include_self=False, recursive=True))
 
 
+def direct_sublayers(layer) -> list:
+    """Return the layers directly inside `layer` (one level, itself excluded).
+
+    Why private: the monitor names layers by the chain of names from the model
+    down, which needs the parent of each layer; `Model.layers` is public but
+    plain layers with sublayers (MultiHeadAttention) have no public listing.
+    """
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
 def reset_grappler_option(name: str) -> None:
     """Forget a grappler option so it is back to "not set" (DEFAULT).
 

@@ -110,9 +110,14 @@ def test_forward_overflow_is_attributed_and_denied(tmp_path):
         model, [monitor, keras.callbacks.CSVLogger(csv_path)], epochs=EPOCHS
     )
 
-    # Every step of epoch 0 overflows (skipped); after it `hot` is denied.
-    assert history.history["overflow_events"] == [STEPS_PER_EPOCH] + [0] * (EPOCHS - 1)
-    events = [r for r in read_jsonl(log_dir) if r["type"] == "overflow"]
+    # Every step of epoch 0 overflows (skipped); after it `hot` is denied and
+    # the scale put back to 2**15, from where the scaler may search again
+    # (backward overflows above trusted_backward_scale: not attributed).
+    assert history.history["overflow_events"][0] == STEPS_PER_EPOCH
+    records = read_jsonl(log_dir)
+    later = [r for r in records if r["type"] == "overflow" and r["epoch"] > 0]
+    assert not any(r["trusted"] for r in later)
+    events = [r for r in records if r["type"] == "overflow" and r["epoch"] == 0]
     assert len(events) == STEPS_PER_EPOCH
     assert [e["step"] for e in events] == list(range(1, STEPS_PER_EPOCH + 1))
     assert all(e["layers"] == ["hot"] and e["direction"] == "forward" for e in events)
@@ -137,7 +142,11 @@ def test_forward_overflow_is_attributed_and_denied(tmp_path):
     with open(csv_path) as f:
         header = f.readline().strip().split(",")
     assert "loss_scale" in header and "overflow_events" in header
-    assert history.history["loss_scale"][-1] == 2.0**15 / 2**STEPS_PER_EPOCH
+    restored = [r for r in records if r["type"] == "scale_restored"]
+    assert [(r["from"], r["to"]) for r in restored] == [
+        (2.0**15 / 2**STEPS_PER_EPOCH, 2.0**15)
+    ]
+    assert history.history["loss_scale"][0] == 2.0**15
 
     # Same model, float32 throughout: the final loss is within 5%.
     reference = train(overflow_model("float32", scaler="none"), [], epochs=EPOCHS)
@@ -148,12 +157,20 @@ def test_forward_overflow_is_attributed_and_denied(tmp_path):
     per_epoch = {epoch: 0.0 for epoch in range(EPOCHS)}
     per_epoch[0] = float(STEPS_PER_EPOCH)
     assert scalar_series(accumulator, "amp/overflow/hot") == per_epoch
-    assert scalar_series(accumulator, "amp/overflow_events") == per_epoch
+    events_per_epoch = history.history["overflow_events"]
+    assert scalar_series(accumulator, "amp/overflow_events") == dict(
+        enumerate(map(float, events_per_epoch))
+    )
     assert scalar_series(accumulator, "amp/overflow_rate")[0] == 1.0
     skipped = scalar_series(accumulator, "amp/skipped_steps")
-    assert skipped[4] == 4.0 and max(skipped.values()) == STEPS_PER_EPOCH
+    assert skipped[4] == 4.0 and max(skipped.values()) == sum(events_per_epoch)
     scales = scalar_series(accumulator, "amp/loss_scale")
-    assert scales[4] == 2.0**11 and scales[EPOCHS * STEPS_PER_EPOCH] == 2.0**7
+    # A point at every scale change: each halving of epoch 0, the restore.
+    assert [scales[step] for step in range(STEPS_PER_EPOCH)] == [
+        2.0 ** (15 - step) for step in range(STEPS_PER_EPOCH)
+    ]
+    # Put back at the end of epoch 0: step 9 starts from 2**15 again.
+    assert scales[STEPS_PER_EPOCH] == 2.0**15
     assert "hot" in text_values(accumulator, "amp/lists")[-1]
     assert "| layer | hot | None | deny |" in text_values(accumulator, "amp/changes")[0]
 
@@ -176,8 +193,9 @@ def test_keras_scaler_events_from_scale_changes(tmp_path):
     assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer
     monitor = AMPMonitor(str(tmp_path), read_every_steps=5)
     history = train(model, [monitor], epochs=2)
-    assert history.history["overflow_events"] == [STEPS_PER_EPOCH, 0]
-    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    assert history.history["overflow_events"][0] == STEPS_PER_EPOCH
+    records = read_jsonl(str(tmp_path))
+    events = [r for r in records if r["type"] == "overflow" and r["epoch"] == 0]
     # Exact count and scales from the in-graph ring, without our scaler.
     assert [e["scale_before"] for e in events] == [
         2.0 ** (15 - i) for i in range(STEPS_PER_EPOCH)
@@ -185,7 +203,9 @@ def test_keras_scaler_events_from_scale_changes(tmp_path):
     assert all(e["layers"] == ["hot"] for e in events)
     assert all(e["implicated_layers"] == [] for e in events)
     assert model.get_layer("hot").compute_dtype == "float32"
-    assert model.optimizer.dynamic_scale.numpy() == 2.0**7
+    # Put back to its value before the forward overflows (Keras's scaler too).
+    restored = [r for r in records if r["type"] == "scale_restored"]
+    assert [(r["from"], r["to"]) for r in restored] == [(2.0**7, 2.0**15)]
 
 
 @pytest.mark.parametrize("scaler", ["none", "guard"])
@@ -306,8 +326,11 @@ def test_custom_train_step_forward_overflow_is_still_replayed(tmp_path):
     model.compile(LossScaleOptimizer(keras.optimizers.Adam(0.1)))
     monitor = AMPMonitor(str(tmp_path), read_every_steps=4)
     history = train(model, [monitor], epochs=2)
-    assert history.history["overflow_events"] == [STEPS_PER_EPOCH, 0]
-    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    # Epoch 1 may hold the scaler's search from the scale put back (untrusted).
+    assert history.history["overflow_events"][0] == STEPS_PER_EPOCH
+    events = [
+        r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow" and r["trusted"]
+    ]
     assert {(tuple(e["layers"]), e["direction"]) for e in events} == {
         (("hot",), "forward")
     }

@@ -71,7 +71,8 @@ def sequential_model():
 def test_backward_origin_is_the_implicated_layer_closest_to_the_loss():
     model = sequential_model()
     index = attribution.LayerIndex(model)
-    path = {layer.name: layer.path for layer in model.layers}
+    # Layers are named by their name chain from the model down.
+    path = {layer.name: index.chain(layer) for layer in model.layers}
     variables = {v.path.split("/", 1)[1]: v.path for v in model.trainable_variables}
     implicated = index.layers_of_variables(
         [variables[name] for name in ("middle/kernel", "first/bias", "bn/gamma")]
@@ -123,8 +124,9 @@ def test_forward_replay_input_cast_overflow():
 def test_list_editor_layer_level_is_reversible():
     keras.config.set_dtype_policy("mixed_float16")
     model = sequential_model()
-    last = model.get_layer("last").path
-    editor = ListEditor(KerasEngine(), attribution.LayerIndex(model))
+    index = attribution.LayerIndex(model)
+    last = index.chain(model.get_layer("last"))
+    editor = ListEditor(KerasEngine(), index)
     lists = PrecisionLists(allow_layers=(last,))
     denied, changes = editor.apply(lists, Decision(last, "deny", "r", {}))
     assert denied.deny_layers == (last,) and denied.allow_layers == ()
@@ -138,10 +140,9 @@ def test_list_editor_layer_level_is_reversible():
 
 def test_list_editor_op_level_maps_layers_to_op_types():
     model = sequential_model()
-    editor = ListEditor(
-        GrapplerEngine(dump_graphs=False), attribution.LayerIndex(model)
-    )
-    path = {layer.name: layer.path for layer in model.layers}
+    index = attribution.LayerIndex(model)
+    editor = ListEditor(GrapplerEngine(dump_graphs=False), index)
+    path = {layer.name: index.chain(layer) for layer in model.layers}
     lists = PrecisionLists(infer_ops=("BiasAdd",))
     first, changes = editor.apply(lists, Decision(path["first"], "deny", "r", {}))
     assert {"MatMul", "BiasAdd"} <= set(first.deny_ops)
@@ -193,8 +194,9 @@ def test_event_log_keeps_lines_on_resume_and_writes_tensorboard(tmp_path):
 def test_list_editor_returns_unlisted_layers_to_the_allow_list():
     keras.config.set_dtype_policy("mixed_float16")
     model = sequential_model()
-    last = model.get_layer("last").path
-    editor = ListEditor(KerasEngine(), attribution.LayerIndex(model))
+    index = attribution.LayerIndex(model)
+    last = index.chain(model.get_layer("last"))
+    editor = ListEditor(KerasEngine(), index)
     denied, _ = editor.apply(PrecisionLists(), Decision(last, "deny", "r", {}))
     back, changes = editor.apply(denied, Decision(last, "allow", "r", {}))
     assert back == PrecisionLists(allow_layers=(last,))

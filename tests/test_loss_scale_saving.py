@@ -1,5 +1,7 @@
 """Config round trips; .keras files, checkpoints and backups keep the records."""
 
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -169,3 +171,41 @@ def test_wrapped_ring_buffer_survives_save_and_load(tmp_path):
     assert [(e["index"], e["step"]) for e in after] == [(6, 9), (7, 11)]
     assert without_paths(after) == without_paths(optimizer.read_events(5))
     assert loaded.optimizer.event_steps.numpy().tolist() == [11, 9]
+
+
+def test_a_keras_scaler_file_loads_into_ours_with_its_scale_and_counters(tmp_path):
+    keras.config.set_dtype_policy("mixed_float16")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        return keras.Model(inputs, keras.layers.Dense(1)(inputs))
+
+    x, y = np.ones((16, 4), "float32"), np.ones((16, 1), "float32")
+    theirs = build()
+    keras_scaler = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(), initial_scale=2.0**10
+    )
+    theirs.compile(keras_scaler, "mse")
+    theirs.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    keras_scaler.dynamic_scale.assign(2.0**7)  # as after a few overflows
+    path = str(tmp_path / "keras_scaler.keras")
+    theirs.save(path)
+
+    ours = build()
+    optimizer = LossScaleOptimizer(keras.optimizers.Adam())
+    ours.compile(optimizer, "mse")
+    optimizer.build(ours.trainable_variables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Skipping variable loading"
+        ours.load_weights(path)
+    assert float(optimizer.dynamic_scale.numpy()) == 2.0**7
+    assert int(optimizer.step_counter.numpy()) == int(keras_scaler.step_counter.numpy())
+    assert int(optimizer.iterations.numpy()) == 8
+    for a, b in zip(
+        optimizer.inner_optimizer.variables,
+        keras_scaler.inner_optimizer.variables,
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert int(optimizer.overflow_count.numpy()) == 0

@@ -1,8 +1,15 @@
 """Resolve layer-list entries (names, paths, class names, regexes) to layers.
 
-An entry matches a layer when it equals the layer's name or path (exact), its
-class name, or when it is a regular expression that fully matches the name or
-the path. A matched layer brings its nested layers with it (denying a nested
+A layer is identified by its *name chain*: the names of the layers from the
+model down to it, joined by "/" (`"backbone/hot"` for layer `hot` inside the
+nested model `backbone`; the top model's own name is left out). Every layer has
+one, with or without weights, and it survives nesting, a `Sequential` inside a
+functional model and `keras.saving.load_model` (Keras's `layer.path` is None
+for a layer without weights and loses the parent prefix after a reload).
+
+An entry matches a layer when it equals the layer's name, name chain or Keras
+path (exact), its class name, or when it is a regular expression that fully
+matches one of those. A matched layer brings its nested layers with it (denying a nested
 model denies everything inside it).
 
 When a layer is matched by both lists, the most specific entry decides: an
@@ -31,22 +38,66 @@ def candidate_layers(model) -> list:
     ]
 
 
-def _identifiers(layer) -> tuple:
-    path = _compat.layer_path(layer)
-    return (layer.name, path) if path else (layer.name,)
+def layer_chains(model) -> dict:
+    """Return `{id(layer): name chain}` for every layer nested in `model`.
+
+    Args:
+        model: a Keras model (or layer).
+
+    Returns:
+        The name chain of each nested layer, the first time it is reached in a
+        depth-first walk from `model` (a layer shared by two parents keeps the
+        first chain).
+
+    Example:
+    >>> import keras
+    >>> inner = keras.Sequential([keras.layers.ReLU(name="act")], name="inner")
+    >>> model = keras.Sequential([keras.Input((2,)), inner])
+    >>> sorted(layer_chains(model).values())
+    ['inner', 'inner/act']
+    """
+    chains = {}
+
+    def walk(parent, prefix):
+        for layer in _compat.direct_sublayers(parent):
+            if id(layer) in chains or isinstance(layer, keras.layers.InputLayer):
+                continue
+            chain = f"{prefix}{layer.name}"
+            chains[id(layer)] = chain
+            walk(layer, chain + "/")
+
+    walk(model, "")
+    # Layers reached only through a non-tracked route keep their own name.
+    for layer in candidate_layers(model):
+        chains.setdefault(id(layer), layer.name)
+    return chains
 
 
-def match_specificity(entry: str, layer):
+def layer_chain(model, layer) -> str:
+    """Return the name chain of `layer` inside `model` (see the module doc)."""
+    return layer_chains(model).get(id(layer), layer.name)
+
+
+def _identifiers(layer, chain=None) -> tuple:
+    names = [layer.name]
+    for alias in (chain, _compat.layer_path(layer)):
+        if alias and alias not in names:
+            names.append(alias)
+    return tuple(names)
+
+
+def match_specificity(entry: str, layer, chain: str | None = None):
     """Return how specifically `entry` names `layer` (EXACT > CLASS_NAME > REGEX).
 
     Args:
         entry: a layer-list entry.
         layer: a Keras layer.
+        chain: the layer's name chain in the model. Defaults to `None`.
 
     Returns:
         `EXACT`, `CLASS_NAME` or `REGEX`, or None when the entry does not match.
     """
-    identifiers = _identifiers(layer)
+    identifiers = _identifiers(layer, chain)
     if entry in identifiers:
         return EXACT
     if entry == type(layer).__name__:
@@ -56,10 +107,10 @@ def match_specificity(entry: str, layer):
     return None
 
 
-def _close_names(entry: str, layers) -> list:
+def _close_names(entry: str, layers, chains) -> list:
     names = set()
     for layer in layers:
-        names.update(_identifiers(layer))
+        names.update(_identifiers(layer, chains.get(id(layer))))
         names.add(type(layer).__name__)
     return difflib.get_close_matches(entry, sorted(names), n=3, cutoff=0.5)
 
@@ -77,17 +128,21 @@ def matching_layers(model, entries, field: str) -> dict:
         not their nested layers).
     """
     layers = candidate_layers(model)
+    chains = layer_chains(model)
     result = {}
     for entry in entries:
         matched = [
-            layer for layer in layers if match_specificity(entry, layer) is not None
+            layer
+            for layer in layers
+            if match_specificity(entry, layer, chains.get(id(layer))) is not None
         ]
         if not matched:
-            close = _close_names(entry, layers)
+            close = _close_names(entry, layers, chains)
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             raise ValueError(
                 f"`{field}` entry {entry!r} matches no layer of model "
-                f"{model.name!r}. Entries are layer names, layer paths, layer "
+                f"{model.name!r}. Entries are layer names, name chains from the "
+                f"model down (e.g. 'backbone/dense'), layer paths, layer "
                 f"class names or regular expressions that fully match a name or "
                 f"a path.{hint} Received: {field}={tuple(entries)!r}"
             )
@@ -108,13 +163,15 @@ def layer_decisions(model, allow_layers, deny_layers) -> dict:
         every layer nested inside one; layers the lists do not reach are absent.
     """
     best = {}
+    chains = layer_chains(model)
     for kind, entries, field in (
         ("allow", allow_layers, "allow_layers"),
         ("deny", deny_layers, "deny_layers"),
     ):
         for entry, layers in matching_layers(model, entries, field).items():
             for layer in layers:
-                key = (match_specificity(entry, layer), kind == "deny")
+                specificity = match_specificity(entry, layer, chains.get(id(layer)))
+                key = (specificity, kind == "deny")
                 for reached in [layer, *_compat.flatten_layers(layer)]:
                     previous = best.get(id(reached))
                     if previous is None or key > previous[0]:

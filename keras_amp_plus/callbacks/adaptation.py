@@ -5,12 +5,20 @@ attributed to it: every forward overflow (the loss was Inf/NaN and the replay
 named the layer) and every backward overflow that happened at a loss scale at or
 below `trusted_backward_scale` (above it the scaler is still searching for its
 scale, which is normal and is the scaler's business, not the layer's).
+`AdaptationRule.evidence` is that count.
+
+Evidence accumulates across epochs with a decay: each epoch end,
+`score[layer] = evidence_decay * score[layer] + evidence[layer]`. At the
+defaults (`deny_threshold=2`, `evidence_decay=0.7`) a layer with two events in
+one epoch is denied at once, a layer with one event in each of three epochs in
+a row is denied at the third (1 + 0.7 + 0.49 >= 2), and one event in a long run
+never is (its score never exceeds 1). `evidence_decay=0` counts per epoch only.
 
 At the end of each epoch:
 
 ```
-for layer with evidence[layer] >= deny_threshold, not yet denied:
-    deny it (float32 from the next epoch); denials[layer] += 1
+for layer with score[layer] >= deny_threshold, not yet denied:
+    deny it (float32 from the next epoch); denials[layer] += 1; score = 0
     wait[layer] = patience * 2 ** (denials[layer] - 1)     # hysteresis
 for layer denied by this rule (never those the user denied):
     clean_epochs[layer] = clean_epochs[layer] + 1 if evidence[layer] == 0 else 0
@@ -48,6 +56,10 @@ class AdaptationRule:
             is moved back, so new evidence points at one change. Defaults to `1`.
         max_retries: how many times a layer may be moved back; after that it
             stays denied. Defaults to `2`.
+        evidence_decay: factor in [0, 1) applied to a layer's accumulated
+            evidence at each epoch end. Defaults to `0.7`.
+        trusted_backward_scale: backward overflows count as evidence only at a
+            loss scale at or below this. Defaults to `1.0`.
     """
 
     def __init__(
@@ -56,8 +68,13 @@ class AdaptationRule:
         patience: int = 5,
         cooldown: int = 1,
         max_retries: int = 2,
+        evidence_decay: float = 0.7,
+        trusted_backward_scale: float = 1.0,
     ):
         self.deny_threshold = deny_threshold
+        self.evidence_decay = evidence_decay
+        self.trusted_backward_scale = trusted_backward_scale
+        self.scores = {}
         self.patience = patience
         self.cooldown = cooldown
         self.max_retries = max_retries
@@ -65,26 +82,62 @@ class AdaptationRule:
         self.clean_epochs = {}
         self.last_return_epoch = None
 
+    def is_trusted(self, event) -> bool:
+        """Return True when `event` is evidence against its layer (module doc)."""
+        scale = event["scale_before"]
+        return event["direction"] == "forward" or (
+            scale is not None and scale <= self.trusted_backward_scale
+        )
+
+    def evidence(self, events) -> dict:
+        """Count, per layer, the events of an epoch that speak against it."""
+        counts = {}
+        for event in events:
+            if self.is_trusted(event):
+                for layer in event["layers"]:
+                    counts[layer] = counts.get(layer, 0) + 1
+        return counts
+
+    def accumulate(self, evidence: dict) -> dict:
+        """Decay the accumulated scores and add the epoch's `evidence`."""
+        scores = {
+            layer: score * self.evidence_decay
+            for layer, score in self.scores.items()
+            if score * self.evidence_decay > 1e-3
+        }
+        for layer, count in evidence.items():
+            scores[layer] = scores.get(layer, 0.0) + count
+        self.scores = scores
+        return scores
+
     def decide(self, epoch: int, evidence: dict, denied: set) -> list[Decision]:
         """Return the moves for the epoch that just ended.
 
         Args:
             epoch: the epoch that ended (0-based).
-            evidence: `{layer path: number of attributed events}` for the epoch.
+            evidence: `{layer: number of trusted attributed events}` for the
+                epoch (`evidence(events)`).
             denied: the layer paths currently in float32 by any list.
         """
         decisions = []
-        for layer, count in sorted(evidence.items()):
-            if count >= self.deny_threshold and layer not in denied:
+        scores = self.accumulate(evidence)
+        for layer, score in sorted(scores.items()):
+            if score >= self.deny_threshold - 1e-9 and layer not in denied:
+                count = evidence.get(layer, 0)
                 self.denials[layer] = self.denials.get(layer, 0) + 1
                 self.clean_epochs[layer] = 0
+                self.scores.pop(layer)
                 decisions.append(
                     Decision(
                         layer,
                         "deny",
-                        f"{count} overflow events in epoch {epoch} "
-                        f"(threshold {self.deny_threshold})",
-                        {"events": count, "threshold": self.deny_threshold},
+                        f"{count} overflow events in epoch {epoch}, accumulated "
+                        f"evidence {score:.3g} (threshold {self.deny_threshold})",
+                        {
+                            "events": count,
+                            "score": score,
+                            "threshold": self.deny_threshold,
+                        },
                     )
                 )
         just_denied = {d.layer for d in decisions}
@@ -126,6 +179,7 @@ class AdaptationRule:
             "denials": dict(self.denials),
             "clean_epochs": dict(self.clean_epochs),
             "last_return_epoch": self.last_return_epoch,
+            "scores": dict(self.scores),
         }
 
     def set_state(self, state: dict) -> None:
@@ -133,3 +187,4 @@ class AdaptationRule:
         self.denials = dict(state.get("denials", {}))
         self.clean_epochs = dict(state.get("clean_epochs", {}))
         self.last_return_epoch = state.get("last_return_epoch")
+        self.scores = dict(state.get("scores", {}))

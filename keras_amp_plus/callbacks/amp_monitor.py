@@ -1,7 +1,7 @@
 """`AMPMonitor`: overflow events to TensorBoard, attributed and acted upon."""
 
-import collections
 import logging
+import os
 
 import keras
 
@@ -36,6 +36,19 @@ class AMPMonitor(keras.callbacks.Callback):
       callbacks list.
     - Python logging, `logging.getLogger("keras_amp_plus")`.
 
+    Layers are named by their name chain from the model down (`"backbone/hot"`
+    for layer `hot` of the nested model `backbone`), which layers without
+    weights have too and which `keras.saving.load_model` keeps; lists accept
+    it, the layer's name and its Keras `path`.
+
+    An overflow counts against a layer (is *attributed*) when it is forward
+    or happened at a trusted scale (`trusted_backward_scale`); backward
+    overflows above it are the scaler's search for its scale and are logged
+    as such. After a denial fixes forward overflows the loss scale is put back
+    to where it was before them. Every run in one `log_dir` is appended to
+    `amp_events.jsonl` with its run number (`"run"`), and its TensorBoard
+    steps continue after the previous run's.
+
     Backward overflows are attributed from our `LossScaleOptimizer`'s
     per-variable records to the implicated layer closest to the loss; forward
     overflows (Inf/NaN loss) by replaying the step's batch to find the first
@@ -69,8 +82,9 @@ class AMPMonitor(keras.callbacks.Callback):
             `monitor.engine` is the Engine really used (pass it to
             `precision_report`). Defaults to `"auto"`.
         adapt: whether to move layers between lists. Defaults to `True`.
-        deny_threshold: events attributed to one layer in one epoch that deny
-            it. Defaults to `2`.
+        deny_threshold: accumulated evidence (events attributed to one layer
+            at a trusted scale, decayed by `evidence_decay` per epoch) that
+            denies it. Defaults to `2`.
         patience: clean epochs before a denied layer is tried in low precision
             again (doubled at each new denial). Defaults to `5`.
         cooldown: epochs after a layer moves back before another may.
@@ -84,6 +98,14 @@ class AMPMonitor(keras.callbacks.Callback):
             event ring's capacity (our scaler's `event_buffer_size`, else 64).
             Defaults to `None` (the capacity).
         replay: replay forward overflows to find their layer. Defaults to `True`.
+        evidence_decay: factor in [0, 1) by which a layer's evidence shrinks at
+            each epoch end, so sporadic overflows add up: one event in each of
+            3 epochs denies a layer at the defaults, one event in a long run
+            does not. 0 counts each epoch alone. Defaults to `0.7`.
+        exclude_skipped_steps: leave the loss (and metrics) of steps the scaler
+            skipped out of the epoch's averages, so `EarlyStopping` and
+            `ReduceLROnPlateau` see the loss of the applied steps (NaN when
+            every step of the epoch was skipped). Defaults to `True`.
 
     Example:
     >>> import keras, numpy as np
@@ -110,26 +132,49 @@ class AMPMonitor(keras.callbacks.Callback):
         trusted_backward_scale: float = 1.0,
         read_every_steps: int | None = None,
         replay: bool = True,
+        evidence_decay: float = 0.7,
+        exclude_skipped_steps: bool = True,
     ):
         super().__init__()
         checks.check_arguments(
             log_dir=log_dir,
-            deny_threshold=deny_threshold,
-            patience=patience,
-            cooldown=cooldown,
-            max_retries=max_retries,
             read_every_steps=read_every_steps,
+            engine=engine,
+            trusted_backward_scale=trusted_backward_scale,
+            evidence_decay=evidence_decay,
+            flags={
+                "adapt": adapt,
+                "replay": replay,
+                "exclude_skipped_steps": exclude_skipped_steps,
+            },
+            counts={
+                "deny_threshold": deny_threshold,
+                "patience": patience,
+                "cooldown": cooldown,
+                "max_retries": max_retries,
+            },
         )
-        self.log_dir = None if log_dir is None else str(log_dir)
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        if isinstance(self.log_dir, bytes):
+            self.log_dir = os.fsdecode(self.log_dir)
         self.lists = checks.as_lists(lists)
         self.engine = engine
-        self.adapt = bool(adapt)
+        self.adapt = adapt
         self.trusted_backward_scale = float(trusted_backward_scale)
         self.read_every_steps = read_every_steps
-        self.replay = bool(replay)
-        self.rule = AdaptationRule(deny_threshold, patience, cooldown, max_retries)
+        self.replay = replay
+        self.exclude_skipped_steps = exclude_skipped_steps
+        self.rule = AdaptationRule(
+            deny_threshold,
+            patience,
+            cooldown,
+            max_retries,
+            evidence_decay=float(evidence_decay),
+            trusted_backward_scale=self.trusted_backward_scale,
+        )
         self.state = MonitorState(lists=self.lists.get_config())
         self._session = None
+        self._step_cache = None
 
     # -- fit hooks ---------------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -155,39 +200,35 @@ class AMPMonitor(keras.callbacks.Callback):
         session.epoch_events.extend(session.drain(force_scalars=True))
         epoch_events = session.epoch_events
         steps = session.steps_in_epoch()
-        per_layer = collections.Counter(
-            layer for event in epoch_events for layer in event["layers"]
-        )
-        session.report_epoch(epoch, epoch_events, steps, per_layer)
+        evidence = self.rule.evidence(epoch_events)
+        session.report_epoch(epoch, epoch_events, steps, evidence)
         if logs is not None:
-            if session.loss_scale() is not None:
-                logs["loss_scale"] = session.loss_scale()
             logs["overflow_events"] = len(epoch_events)
+            if (
+                self.exclude_skipped_steps
+                and session.has_scaler()
+                and steps
+                and len(epoch_events) >= steps
+                and "loss" in logs
+            ):
+                # Every step was skipped: no loss was averaged (Keras reports 0).
+                logs["loss"] = float("nan")
         if self.adapt:
-            changes = session.adapt(epoch, self._evidence(epoch_events))
+            changes = session.adapt(epoch, evidence)
             if changes:
-                session.log.text("amp/changes", changes_markdown(changes), epoch)
+                step = self.state.epoch_offset + epoch
+                session.log.text("amp/changes", changes_markdown(changes), step)
                 # The new lists take effect from the next epoch.
-                session.log.text("amp/lists", self.lists.to_markdown(), epoch + 1)
+                session.log.text("amp/lists", self.lists.to_markdown(), step + 1)
+        if logs is not None and session.loss_scale() is not None:
+            # After `adapt`, which may have put the scale back.
+            logs["loss_scale"] = session.loss_scale()
         session.end_epoch(epoch)
 
     def on_train_end(self, logs=None):
         """Flush the logs and give the model its own train step back."""
         if self._session is not None:
             self._session.close()
-
-    # -- decisions ---------------------------------------------------------------
-    def _evidence(self, events) -> dict:
-        """Count, per layer, the events that speak against its precision."""
-        evidence = collections.Counter()
-        for event in events:
-            scale = event["scale_before"]
-            trusted = event["direction"] == "forward" or (
-                scale is not None and scale <= self.trusted_backward_scale
-            )
-            if trusted:
-                evidence.update(event["layers"])
-        return dict(evidence)
 
     # -- serialization -----------------------------------------------------------
     def get_config(self) -> dict:
@@ -204,6 +245,8 @@ class AMPMonitor(keras.callbacks.Callback):
             "trusted_backward_scale": self.trusted_backward_scale,
             "read_every_steps": self.read_every_steps,
             "replay": self.replay,
+            "evidence_decay": self.rule.evidence_decay,
+            "exclude_skipped_steps": self.exclude_skipped_steps,
         }
 
     @classmethod

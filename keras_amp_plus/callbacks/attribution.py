@@ -1,17 +1,24 @@
 """Which layer caused an overflow event.
 
+Layers are named by their name chain from the model down
+(`keras_amp_plus.engines.layer_names.layer_chains`), which every layer has,
+weights or not, and which survives nesting and `load_model`.
+
 Backward overflow (the loss is finite, a gradient is not): once a gradient
 overflows at layer L, every layer upstream of L (closer to the input) receives
 non-finite gradients too, while layers downstream stay finite. The originating
-layer is therefore the implicated layer closest to the loss in forward order.
+layer is therefore the implicated layer closest to the loss in forward order,
+the order in which the step called the layers (recorded while it was traced).
 
 Forward overflow (the loss itself is Inf/NaN, so every gradient is): the batch
 of the offending step is replayed eagerly with every layer's `call` wrapped, and
 the first layer, in the order the calls finish, whose inputs are finite but
-whose output is not is the one that overflowed. Layers are wrapped through an
-instance attribute restored in `finally`, and non-trainable variables (batch
-norm statistics, seed generator states) are put back after the replay, so the
-replay leaves no trace in the model.
+whose output is not is the one that overflowed: calls finish from the inside
+out, so this is the innermost such layer (MultiHeadAttention itself when its
+attention scores, computed between its sublayers, overflow). Layers are
+wrapped through an instance attribute restored in `finally`, and non-trainable
+variables (batch norm statistics, seed generator states) are put back after the
+replay, so the replay leaves no trace in the model.
 """
 
 import keras
@@ -19,14 +26,15 @@ import numpy as np
 import tensorflow as tf
 
 from keras_amp_plus import _compat
+from keras_amp_plus._lists.layer_names import layer_chains
 
 
 class LayerIndex:
-    """Layers of a model in forward order, and which layer owns each variable.
+    """Layers of a model by name chain, in forward order, and variable owners.
 
-    Forward order is the order of `model` layers flattened recursively, which
-    for Functional and Sequential models is the topological order and for
-    subclassed models the order in which sublayers were assigned.
+    Forward order is the order in which the train step called the leaf layers
+    (`set_call_order`, recorded while the step was traced); until it is known,
+    the order of the layers flattened recursively.
 
     Args:
         model: a built Keras model.
@@ -34,19 +42,29 @@ class LayerIndex:
 
     def __init__(self, model):
         self.model = model
+        self.chains = layer_chains(model)
         self.layers = [
             layer
             for layer in _compat.flatten_layers(model)
             if not isinstance(layer, keras.layers.InputLayer)
         ]
         leaves = [layer for layer in self.layers if not _sublayers(layer)]
-        self.order = {_compat.layer_path(layer): i for i, layer in enumerate(leaves)}
-        self.by_path = {_compat.layer_path(layer): layer for layer in self.layers}
+        self.order = {self.chain(layer): i for i, layer in enumerate(leaves)}
+        self.by_path = {self.chain(layer): layer for layer in self.layers}
         self.owner_of_variable = {}
         for layer in leaves:
             for variable in layer.trainable_variables:
                 path = _compat.variable_path(variable)
-                self.owner_of_variable.setdefault(path, _compat.layer_path(layer))
+                self.owner_of_variable.setdefault(path, self.chain(layer))
+
+    def chain(self, layer) -> str:
+        """Return the name chain of `layer` (its identity in lists and logs)."""
+        return self.chains.get(id(layer), layer.name)
+
+    def set_call_order(self, layers) -> None:
+        """Use the order the step called `layers` in as the forward order."""
+        if layers:
+            self.order = {self.chain(layer): i for i, layer in enumerate(layers)}
 
     def layers_of_variables(self, variable_paths) -> list[str]:
         """Return the layers owning `variable_paths`, in forward order."""
@@ -82,21 +100,24 @@ def _all_finite(structure) -> bool:
     return True
 
 
-def find_forward_overflow(model, data, layers) -> dict:
+def find_forward_overflow(model, data, layers, name=None) -> dict:
     """Replay `data` through `model` and return where the forward pass overflowed.
 
     Args:
         model: the Keras model.
         data: one training batch as `fit` passes it to `train_step`.
         layers: the layers to watch (a `LayerIndex`'s `layers`).
+        name: function giving a layer's name in the result (`LayerIndex.chain`).
+            Defaults to `None` (the Keras path, else the layer's name).
 
     Returns:
-        `{"layer": path or None, "reason": str}`. `reason` is one of
+        `{"layer": name or None, "reason": str}`. `reason` is one of
         `"output"` (finite inputs, non-finite output), `"input_cast"` (the layer's
         inputs became non-finite when cast to its compute dtype), `"bad_data"`
         (the batch itself holds Inf/NaN), `"non-finite weights in <path>"` (an
         unguarded update already broke the weights) or `"not_reproduced"`.
     """
+    name = name or (lambda layer: _compat.layer_path(layer) or layer.name)
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     if not _all_finite(x):
         return {"layer": None, "reason": "bad_data"}
@@ -133,7 +154,7 @@ def find_forward_overflow(model, data, layers) -> dict:
             variable.assign(value)
     for layer, inputs_finite, outputs_finite in finished:
         if inputs_finite and not outputs_finite:
-            path = _compat.layer_path(layer)
+            path = name(layer)
             if not _all_finite([tf.convert_to_tensor(w) for w in layer.weights]):
                 # Weights already broken by an earlier unguarded update: the
                 # replay cannot tell where the overflow began.
@@ -141,5 +162,5 @@ def find_forward_overflow(model, data, layers) -> dict:
             return {"layer": path, "reason": "output"}
     for layer, inputs_finite in entered:
         if not inputs_finite:
-            return {"layer": _compat.layer_path(layer), "reason": "input_cast"}
+            return {"layer": name(layer), "reason": "input_cast"}
     return {"layer": None, "reason": "not_reproduced"}

@@ -6,38 +6,88 @@ without an optimizer, an unknown or unavailable engine, op lists with a layer
 engine, list entries naming no layer, a read interval the ring cannot cover.
 """
 
+import math
+import numbers
+import os
+
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks.event_log import check_writable
 from keras_amp_plus.callbacks.hardware_check import warn_once_if_bfloat16_is_slow
 from keras_amp_plus.engines import resolve_engine
 from keras_amp_plus.engines.itex import require_itex
+from keras_amp_plus.engines.resolve import check_engine_name
 
 DEFAULT_CAPACITY = 64
 
 
-def check_arguments(log_dir, read_every_steps, **counts) -> None:
+def check_arguments(
+    log_dir,
+    read_every_steps,
+    engine,
+    trusted_backward_scale,
+    evidence_decay,
+    flags: dict,
+    counts: dict,
+) -> None:
     """Validate the monitor's constructor arguments (Keras-style errors)."""
-    if (
-        log_dir is not None
-        and not isinstance(log_dir, (str, bytes))
-        and (not hasattr(log_dir, "__fspath__"))
-    ):
-        raise TypeError(
-            "`log_dir` must be a path (str or os.PathLike) or None. "
-            f"Received: log_dir={log_dir!r}"
-        )
+    _check_log_dir(log_dir)
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"`{name}` must be a bool (True or False). "
+                f"Received: {name}={value!r} of type {type(value).__name__}"
+            )
     for name, value in counts.items():
         minimum = 1 if name == "deny_threshold" else 0
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        if not _is_int(value) or value < minimum:
             raise ValueError(
                 f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
             )
     if read_every_steps is not None and (
-        not isinstance(read_every_steps, int) or read_every_steps < 1
+        not _is_int(read_every_steps) or read_every_steps < 1
     ):
         raise ValueError(
             "`read_every_steps` must be a positive integer or None. "
             f"Received: read_every_steps={read_every_steps!r}"
+        )
+    if not _is_real(trusted_backward_scale) or not (
+        0 < trusted_backward_scale < math.inf
+    ):
+        raise ValueError(
+            "`trusted_backward_scale` must be a finite number > 0: the loss scale "
+            "at or below which a backward overflow counts against a layer "
+            f"(1.0 by default). Received: "
+            f"trusted_backward_scale={trusted_backward_scale!r}"
+        )
+    if not _is_real(evidence_decay) or not 0 <= evidence_decay < 1:
+        raise ValueError(
+            "`evidence_decay` must be a number in [0, 1): the factor a layer's "
+            "accumulated evidence is multiplied by at each epoch end. "
+            f"Received: evidence_decay={evidence_decay!r}"
+        )
+    check_engine_name(engine)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_log_dir(log_dir) -> None:
+    if log_dir is None:
+        return
+    if not isinstance(log_dir, (str, bytes)) and not hasattr(log_dir, "__fspath__"):
+        raise TypeError(
+            "`log_dir` must be a path (str or os.PathLike) or None. "
+            f"Received: log_dir={log_dir!r}"
+        )
+    if not os.fspath(log_dir):
+        raise ValueError(
+            "`log_dir` must be a non-empty path, or None to log to Python "
+            f"logging only. Received: log_dir={log_dir!r}"
         )
 
 

@@ -60,6 +60,7 @@ class EventCollector:
         self.recorder_cursor = count
         if not raw:
             return []
+        self.index.set_call_order(self.recorder.call_order)
         detail = self._scaler_detail(raw)
         return [
             self._attribute(event, detail.get(event["step"]), epoch) for event in raw
@@ -86,7 +87,7 @@ class EventCollector:
         if step not in self._replayed:
             self._replayed = {
                 step: attribution.find_forward_overflow(
-                    self.model, data, self.index.layers
+                    self.model, data, self.index.layers, self.index.chain
                 )
             }
         return step, self._replayed[step]

@@ -1,7 +1,9 @@
 """Where the monitor writes: TensorBoard run `<log_dir>/amp`, a JSON-lines file.
 
 `amp_events.jsonl` holds one JSON object per line: an overflow event
-(`"type": "overflow"`) or a list change (`"type": "list_change"`). Every line
+(`"type": "overflow"`), a list change (`"type": "list_change"`) or a loss scale
+put back after a denial (`"type": "scale_restored"`), each with the number of
+the run (`"run"`) that wrote it; runs in one directory are appended. Every line
 is flushed when written, so a crash loses nothing already reported, and the
 file can be cut back to a known line count when an interrupted `fit` resumes.
 """
@@ -51,16 +53,22 @@ class EventLog:
         self._file = None
 
     def open(self, keep_lines: int | None) -> None:
-        """Open the writers; keep the first `keep_lines` lines (None: start anew)."""
+        """Open the writers; keep the first `keep_lines` lines (None: all).
+
+        A new run appends after every earlier run's lines; a resumed run cuts
+        the file back to the length it had at the end of the last saved epoch.
+        """
         if not self.log_dir:
             return
         check_writable(self.log_dir)
         lines = []
-        if keep_lines and os.path.exists(self.events_path):
+        if os.path.exists(self.events_path):
             with open(self.events_path) as f:
-                lines = f.readlines()[:keep_lines]
-        with open(self.events_path, "w") as f:
-            f.writelines(lines)
+                lines = f.readlines()
+        if keep_lines is not None and keep_lines < len(lines):
+            lines = lines[:keep_lines]
+            with open(self.events_path, "w") as f:
+                f.writelines(lines)
         self.lines_written = len(lines)
         self._file = open(self.events_path, "a")  # noqa: SIM115 - kept open
         self._writer = tf.summary.create_file_writer(

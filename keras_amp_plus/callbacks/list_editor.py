@@ -13,7 +13,6 @@ its saved policy (after `load_model`) is float32. At op level an op type stays
 denied while another monitor-denied layer still needs it.
 """
 
-from keras_amp_plus import _compat
 from keras_amp_plus._lists import layer_names
 
 
@@ -32,12 +31,12 @@ class ListEditor:
         self.needs = {}
 
     def denied_layers(self, model, lists) -> set:
-        """Return the paths of the layers running in float32 under `lists`."""
+        """Return the name chains of the layers in float32 under `lists`."""
         decisions = layer_names.layer_decisions(
             model, lists.allow_layers, lists.deny_layers
         )
         denied = {
-            _compat.layer_path(layer)
+            self.index.chain(layer)
             for layer, kind in decisions.values()
             if kind == "deny"
         }

@@ -30,6 +30,39 @@ GUARD_ADVICE = (
 )
 
 
+class StepCache:
+    """The instrumented train function of the last `fit`, for the next one.
+
+    Tracing the whole step again costs seconds on a large model; a loop that
+    calls `fit` repeatedly with the same monitor reuses it as long as the
+    model was not recompiled (Keras then makes a new train function) and the
+    lists did not change (the engine then rebuilds it).
+
+    Args:
+        model: the model.
+        recorder: its `StepRecorder` (the traced step writes its variables).
+        plain_function: the uninstrumented train function left on the model.
+        wrapped_function: the instrumented one.
+    """
+
+    def __init__(self, model, recorder, plain_function, wrapped_function):
+        self.model = model
+        self.optimizer = model.optimizer
+        self.recorder = recorder
+        self.plain_function = plain_function
+        self.wrapped_function = wrapped_function
+
+    def fits(self, model, capacity, monitor) -> bool:
+        """Return True when the cached step is valid for this `fit`."""
+        return (
+            self.model is model
+            and self.optimizer is model.optimizer
+            and model.train_function is self.plain_function
+            and self.recorder.capacity == capacity
+            and self.recorder.exclude_skipped_steps == monitor.exclude_skipped_steps
+        )
+
+
 class MonitorSession:
     """State of one `fit` call (see module doc)."""
 
@@ -46,8 +79,19 @@ class MonitorSession:
         self.read_every = monitor.read_every_steps or capacity
         checks.check_read_interval(self.read_every, model.steps_per_execution, capacity)
         self.index = LayerIndex(model)
-        self.recorder = StepRecorder(model, capacity)
-        self.recorder.install()
+        cache = monitor._step_cache
+        if cache is not None and cache.fits(model, capacity, monitor):
+            # Nothing changed since the last `fit`: reuse the traced step.
+            self.recorder = cache.recorder
+            self.recorder.install()
+            model.train_function = cache.wrapped_function
+        else:
+            self.recorder = StepRecorder(model, capacity, monitor.exclude_skipped_steps)
+            self.recorder.install()
+            # `fit` built its train function before `on_train_begin`;
+            # rebuilding it (not deleting it) makes the next step trace
+            # through the wrappers.
+            model.make_train_function(force=True)
         self.collector = EventCollector(
             model, self.recorder, self.index, monitor.replay
         )
@@ -71,9 +115,21 @@ class MonitorSession:
                 state, continuing = snapshot, True
                 logger.info("AMPMonitor: resuming the record of epoch %d.", epoch - 1)
             else:
+                previous = snapshots[max(snapshots)] if snapshots else None
                 state_module.clear_state(monitor.log_dir)
                 snapshots = {}
                 state.scaler_events = self._scaler_count()
+                if previous is not None:
+                    # A new run after earlier ones in this log_dir: new run
+                    # number, TensorBoard steps continue after theirs.
+                    state.run = previous.run + 1
+                    state.step_offset = previous.step_offset + previous.total_steps
+                    state.epoch_offset = (
+                        previous.epoch_offset + previous.epoch + 1 - epoch
+                    )
+        elif epoch <= state.epoch:
+            # The same monitor in a new `fit` that numbers epochs from 0 again.
+            state.epoch_offset += state.epoch + 1 - epoch
         self.snapshots = {e: s.to_dict() for e, s in snapshots.items()}
         monitor.state = state
         monitor.lists = PrecisionLists.from_config(state.lists)
@@ -81,10 +137,13 @@ class MonitorSession:
         self.editor.set_state(state.adaptation.get("editor", {}))
         self.recorder.restore_counters(state.total_steps, state.recorder_events)
         self.collector.set_cursors(state.recorder_events, state.scaler_events)
+        # A new run appends; a resumed one cuts the interrupted epoch's lines.
         self.log.open(keep_lines=state.jsonl_lines if continuing else None)
         # A graph engine switches its rewrite on even with empty lists.
         self.engine.start(self.model, monitor.lists)
-        self.log.text("amp/lists", monitor.lists.to_markdown(), epoch)
+        self.log.text(
+            "amp/lists", monitor.lists.to_markdown(), state.epoch_offset + epoch
+        )
         self.started = True
 
     def _scaler_count(self) -> int:
@@ -120,18 +179,91 @@ class MonitorSession:
         self.steps_since_read = 0
         events = self.collector.collect(self.epoch)
         state = self.monitor.state
+        rule = self.monitor.rule
         for event in events:
+            event["trusted"] = rule.is_trusted(event)
+            event["run"] = state.run
             self.log.write_record(event)
             logger.debug("AMPMonitor overflow event: %s", event)
+            self._note_forward_scale(event)
+            self._scale_points(event)
         state.skipped_steps += len(events)
         values = (self.loss_scale(), state.skipped_steps)
         if force_scalars or values != self._written_scalars:
             self._written_scalars = values
             self.log.scalars(
                 {"amp/loss_scale": values[0], "amp/skipped_steps": values[1]},
-                step=int(self.recorder.total_steps.numpy()),
+                step=self.tensorboard_step(),
             )
         return events
+
+    def tensorboard_step(self, step: int | None = None) -> int:
+        """Return the TensorBoard step of train step `step` (default: the last)."""
+        if step is None:
+            step = int(self.recorder.total_steps.numpy())
+        return self.monitor.state.step_offset + step
+
+    def _scale_points(self, event) -> None:
+        """Put the scale before and after an event on `amp/loss_scale`."""
+        before, after = event["scale_before"], event["scale_after"]
+        if before is None or after is None or before == after:
+            return
+        step = self.tensorboard_step(event["step"])
+        self.log.scalars({"amp/loss_scale": before}, step=step - 1)
+        self.log.scalars({"amp/loss_scale": after}, step=step)
+
+    def _note_forward_scale(self, event) -> None:
+        """Remember the scale before the first forward overflow (see `adapt`)."""
+        adaptation = self.monitor.state.adaptation
+        if (
+            event["direction"] == "forward"
+            and event["layers"]
+            and event["scale_before"] is not None
+            and adaptation.get("scale_before_forward") is None
+        ):
+            adaptation["scale_before_forward"] = event["scale_before"]
+
+    def restore_scale(self, epoch: int) -> None:
+        """Put the scale back where it was before the forward overflows.
+
+        A forward overflow is no sign the scale is too high, yet the scaler
+        halves it at each one; once the layer is denied the scale would need
+        thousands of clean steps to grow back.
+        """
+        adaptation = self.monitor.state.adaptation
+        target = adaptation.pop("scale_before_forward", None)
+        if target is None or not self.has_scaler():
+            return
+        optimizer = self.model.optimizer
+        target = min(target, getattr(optimizer, "max_scale", target))
+        current = self.loss_scale()
+        if target <= current:
+            return
+        optimizer.dynamic_scale.assign(target)
+        optimizer.step_counter.assign(0)
+        step = self.tensorboard_step()
+        self.log.scalars({"amp/loss_scale": current}, step=step)
+        self.log.scalars({"amp/loss_scale": target}, step=step + 1)
+        self.log.write_record(
+            {
+                "type": "scale_restored",
+                "epoch": epoch,
+                "run": self.monitor.state.run,
+                "from": current,
+                "to": target,
+            }
+        )
+        logger.warning(
+            "AMPMonitor epoch %d: loss scale put back from %s to %s, its value "
+            "before the forward overflows that the denial fixed.",
+            epoch,
+            current,
+            target,
+        )
+
+    def has_scaler(self) -> bool:
+        """Return True when a loss scaler (ours or Keras's) wraps the optimizer."""
+        return self.recorder.kind != SCALER_NONE
 
     def loss_scale(self):
         """Return the current loss scale, or None without a scaler."""
@@ -139,26 +271,51 @@ class MonitorSession:
             return None
         return float(self.model.optimizer.dynamic_scale.numpy())
 
-    def report_epoch(self, epoch, events, steps, per_layer) -> None:
-        """Write the per-epoch scalars and log a summary line."""
+    def report_epoch(self, epoch, events, steps, evidence) -> None:
+        """Write the per-epoch scalars and log what the scaler and layers did.
+
+        `evidence` holds only the events attributed to a layer at a trusted
+        scale; backward overflows above `trusted_backward_scale` are the
+        scaler still searching for its scale and are reported as that.
+        """
         state = self.monitor.state
         seen = state.adaptation.setdefault("overflowed_layers", [])
-        seen.extend(layer for layer in sorted(per_layer) if layer not in seen)
+        seen.extend(layer for layer in sorted(evidence) if layer not in seen)
+        searching = [e for e in events if not e.get("trusted", True)]
         values = {
             "amp/overflow_events": len(events),
             "amp/overflow_rate": len(events) / steps if steps else 0.0,
+            "amp/scale_search_overflows": len(searching),
         }
-        values.update({f"amp/overflow/{layer}": per_layer[layer] for layer in seen})
-        self.log.scalars(values, step=epoch)
-        if events:
+        values.update(
+            {f"amp/overflow/{layer}": evidence.get(layer, 0) for layer in seen}
+        )
+        self.log.scalars(values, step=state.epoch_offset + epoch)
+        if searching:
             logger.info(
-                "AMPMonitor epoch %d: %d overflow events in %d steps, loss scale "
-                "%s, by layer %s.",
+                "AMPMonitor epoch %d: the loss scaler is still searching for its "
+                "scale: %d backward overflow(s) at scales above "
+                "trusted_backward_scale=%s (no evidence against any layer).",
                 epoch,
-                len(events),
-                steps,
-                self.loss_scale(),
-                dict(per_layer),
+                len(searching),
+                self.monitor.trusted_backward_scale,
+            )
+        for layer, count in sorted(evidence.items()):
+            forward = sum(
+                1
+                for e in events
+                if layer in e["layers"] and e["direction"] == "forward"
+            )
+            logger.info(
+                "AMPMonitor epoch %d: layer %r overflowed at a trusted scale: %d "
+                "event(s) attributed (%d forward: its output exceeded the "
+                "16-bit range, keep it in float32; %d backward: its gradients "
+                "did, a lower learning rate or gradient clipping may help).",
+                epoch,
+                layer,
+                count,
+                forward,
+                count - forward,
             )
         forward = [e for e in events if e["direction"] == "forward"]
         if (
@@ -179,7 +336,14 @@ class MonitorSession:
             lists, moved = self.editor.apply(lists, decision)
             for change in moved:
                 change.update(reason=decision.reason, evidence=decision.evidence)
-                self.log.write_record({"type": "list_change", "epoch": epoch, **change})
+                self.log.write_record(
+                    {
+                        "type": "list_change",
+                        "epoch": epoch,
+                        "run": monitor.state.run,
+                        **change,
+                    }
+                )
                 logger.warning(
                     "AMPMonitor epoch %d: %s %r moved from %s to %s (layer %s): %s.",
                     epoch,
@@ -194,6 +358,8 @@ class MonitorSession:
         if changes:
             monitor.lists = lists
             self.engine.apply(self.model, lists)
+            if any(change["to"] == "deny" for change in changes):
+                self.restore_scale(epoch)
         return changes
 
     def end_epoch(self, epoch: int) -> None:
@@ -215,6 +381,11 @@ class MonitorSession:
     def close(self) -> None:
         """Flush, close and uninstall (end of `fit`)."""
         self.log.close()
+        wrapped = self.model.train_function
         self.recorder.uninstall()
+        self.model.make_train_function(force=True)
+        self.monitor._step_cache = StepCache(
+            self.model, self.recorder, self.model.train_function, wrapped
+        )
         if self.engine.level == "op":
             self.engine.restore()

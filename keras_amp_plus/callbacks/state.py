@@ -40,6 +40,12 @@ class MonitorState:
             Defaults to `0`.
         guard_recommended: whether the bf16 guard advice was logged.
             Defaults to `False`.
+        run: number of this run among the runs logged in `log_dir`.
+            Defaults to `1`.
+        step_offset: TensorBoard step of this run's train step 0 (where the
+            previous run stopped). Defaults to `0`.
+        epoch_offset: TensorBoard step of epoch 0 of the current `fit`.
+            Defaults to `0`.
     """
 
     epoch: int = -1
@@ -51,6 +57,9 @@ class MonitorState:
     skipped_steps: int = 0
     jsonl_lines: int = 0
     guard_recommended: bool = False
+    run: int = 1
+    step_offset: int = 0
+    epoch_offset: int = 0
 
     def to_dict(self) -> dict:
         """Return the state as JSON-serializable data."""

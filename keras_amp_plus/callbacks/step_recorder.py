@@ -9,11 +9,29 @@ so normal steps pay a few scalar ops) writes one slot of a ring buffer of
 capacity K and copies the batch into shape-agnostic variables so that the
 monitor can replay it later. Nothing is read by the host inside the step: the
 monitor reads the counters every N <= K steps, which keeps every event exact.
+
+Every update has a static shape (a slot is written with
+`tensor_scatter_nd_update`, never with an assignment at a run-time index), so
+the step compiles with XLA (`jit_compile=True`). The variables are created in
+the model's distribution strategy scope, synchronized on read with
+ONLY_FIRST_REPLICA aggregation, and the event decision is all-reduced over the
+replicas first, so under `tf.distribute.MirroredStrategy` every replica takes
+the same branch and an overflow step counts once.
+
+While the step is traced, the order in which the model's leaf layers are
+called is recorded (`call_order`): it is the forward order the attribution of
+backward overflows uses.
 """
+
+import threading
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from keras_amp_plus import _compat
+from keras_amp_plus._lists.layer_names import candidate_layers
+from keras_amp_plus.optimizers import LossScaleOptimizer
 
 SCALER_KAP = "keras_amp_plus"
 SCALER_KERAS = "keras"
@@ -22,19 +40,44 @@ SCALER_NONE = "none"
 
 def scaler_kind(optimizer) -> str:
     """Return which loss scaler wraps `optimizer`: ours, Keras's own, or none."""
-    if hasattr(optimizer, "read_events") and hasattr(optimizer, "overflow_count"):
+    if isinstance(optimizer, LossScaleOptimizer):
         return SCALER_KAP
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return SCALER_KERAS
     return SCALER_NONE
 
 
-def _int_variable(name, shape=()):
-    return tf.Variable(tf.zeros(shape, tf.int64), trainable=False, name=name)
+def _variable(name, shape, dtype):
+    return tf.Variable(
+        tf.zeros(shape, dtype),
+        trainable=False,
+        name=name,
+        # Each replica writes its own copy in replica context, without a
+        # merge_call (not allowed inside the step's tf.cond); the host reads
+        # the first replica's. The decision to write is all-reduced first, so
+        # every copy holds the same counters.
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
 
 
-def _float_variable(name, shape=()):
-    return tf.Variable(tf.zeros(shape, tf.float32), trainable=False, name=name)
+def _put(buffer, slot, value):
+    """Write `value` at `slot` of `buffer` with a static-shape update (XLA)."""
+    updated = tf.tensor_scatter_nd_update(
+        tf.convert_to_tensor(buffer),
+        tf.reshape(slot, (1, 1)),
+        tf.reshape(tf.cast(value, buffer.dtype), (1,)),
+    )
+    buffer.assign(updated)
+
+
+def _all_replicas_any(flag):
+    """Return True on every replica when `flag` is True on any of them."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return flag
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(flag, tf.int32))
+    return total > 0
 
 
 class StepRecorder:
@@ -47,26 +90,45 @@ class StepRecorder:
     Args:
         model: the compiled Keras model to instrument.
         capacity: number of events the ring buffer holds between two reads.
+        exclude_skipped_steps: put the model's metrics back to their values
+            before a step the scaler skipped, so its Inf/NaN loss is not
+            averaged into the epoch's `loss`. Defaults to `True`.
     """
 
-    def __init__(self, model, capacity: int):
+    def __init__(self, model, capacity: int, exclude_skipped_steps: bool = True):
         self.model = model
         self.optimizer = model.optimizer
         self.kind = scaler_kind(self.optimizer)
         self.capacity = capacity
-        self.total_steps = _int_variable("amp_monitor_total_steps")
-        self.event_count = _int_variable("amp_monitor_event_count")
-        self.event_steps = _int_variable("amp_monitor_event_steps", [capacity])
-        self.scales_before = _float_variable("amp_monitor_scales_before", [capacity])
-        self.scales_after = _float_variable("amp_monitor_scales_after", [capacity])
-        self.loss_nonfinite = _int_variable("amp_monitor_loss_nonfinite", [capacity])
-        self.loss_has_nan = _int_variable("amp_monitor_loss_has_nan", [capacity])
-        self.stash_step = _int_variable("amp_monitor_stash_step")
+        self.exclude_skipped_steps = exclude_skipped_steps
+        self.strategy = model.distribute_strategy
+        with self.strategy.scope():
+            self.total_steps = _variable("amp_monitor_total_steps", (), tf.int64)
+            self.event_count = _variable("amp_monitor_event_count", (), tf.int64)
+            self.event_steps = _variable(
+                "amp_monitor_event_steps", [capacity], tf.int64
+            )
+            self.scales_before = _variable(
+                "amp_monitor_scales_before", [capacity], tf.float32
+            )
+            self.scales_after = _variable(
+                "amp_monitor_scales_after", [capacity], tf.float32
+            )
+            self.loss_nonfinite = _variable(
+                "amp_monitor_loss_nonfinite", [capacity], tf.int64
+            )
+            self.loss_has_nan = _variable(
+                "amp_monitor_loss_has_nan", [capacity], tf.int64
+            )
+            self.stash_step = _variable("amp_monitor_stash_step", (), tf.int64)
         self._stash_variables = None
         self._stash_structure = None
-        self._captured_losses = None
+        # Replicas of a MirroredStrategy trace the step in their own threads.
+        self._local = threading.local()
         self._saved_attributes = {}
         self.loss_watched = True
+        self.call_order = []
+        self.installed = False
 
     # -- installing the wrappers -------------------------------------------------
     def install(self) -> None:
@@ -88,25 +150,30 @@ class StepRecorder:
 
         def compute_loss(*args, **kwargs):
             loss = original_compute_loss(*args, **kwargs)
-            if self._captured_losses is not None:
-                self._captured_losses.append(loss)
+            captured = getattr(self._local, "losses", None)
+            if captured is not None:
+                captured.append(loss)
             return loss
 
         def train_step(data):
-            self._captured_losses = []
+            self._local.losses = []
             scale_before = self._read_scale()
-            outputs = original_train_step(data)
-            losses, self._captured_losses = self._captured_losses, None
-            self._record_step(data, scale_before, losses)
+            saved_metrics = self._metric_values()
+            with _CallOrder(model) as order:
+                outputs = original_train_step(data)
+            if order.layers:
+                self.call_order = order.layers
+            losses, self._local.losses = self._local.losses, None
+            skipped = self._record_step(data, scale_before, losses)
+            if saved_metrics is not None:
+                outputs = self._forget_skipped(skipped, saved_metrics, outputs)
             return outputs
 
         compute_loss._amp_monitor_original = self._saved_attributes["compute_loss"]
         train_step._amp_monitor_original = self._saved_attributes["train_step"]
         model.compute_loss = compute_loss
         model.train_step = train_step
-        # `fit` built its train function before `on_train_begin`; rebuilding it
-        # (not deleting it) makes the next step trace through the wrappers.
-        model.make_train_function(force=True)
+        self.installed = True
 
     def uninstall(self) -> None:
         """Put back the model's own `train_step`/`compute_loss`."""
@@ -116,7 +183,7 @@ class StepRecorder:
             else:
                 setattr(self.model, name, previous)
         self._saved_attributes = {}
-        self.model.make_train_function(force=True)
+        self.installed = False
 
     # -- graph side --------------------------------------------------------------
     def _read_scale(self):
@@ -124,7 +191,32 @@ class StepRecorder:
             return tf.constant(float("nan"), tf.float32)
         return tf.identity(tf.cast(self.optimizer.dynamic_scale, tf.float32))
 
+    def _metric_variables(self):
+        return [v for metric in self.model.metrics for v in metric.variables]
+
+    def _metric_values(self):
+        if not self.exclude_skipped_steps or self.kind == SCALER_NONE:
+            return None
+        # Metrics built by this very step (the first trace) are not restored.
+        return [(v, tf.identity(v)) for v in self._metric_variables()]
+
+    def _forget_skipped(self, skipped, saved, outputs):
+        """Put the metrics back as they were before a skipped step."""
+
+        def restore():
+            for variable, before in saved:
+                variable.assign(before)
+            return tf.constant(0)
+
+        # Only on a skipped step: normal steps pay no writes.
+        tf.cond(skipped, restore, lambda: tf.constant(0))
+        results = self.model.get_metrics_result()
+        if isinstance(outputs, dict) and set(outputs) == set(results):
+            return results
+        return outputs
+
     def _record_step(self, data, scale_before, losses):
+        """Record the step in the ring when it is an event; return `skipped`."""
         # A custom `train_step` may compute its loss without `compute_loss`:
         # then the loss is not watched and every event's batch is kept.
         self.loss_watched = bool(losses)
@@ -134,6 +226,8 @@ class StepRecorder:
             loss = tf.convert_to_tensor(loss)
             loss_nonfinite |= tf.reduce_any(~tf.math.is_finite(loss))
             loss_has_nan |= tf.reduce_any(tf.math.is_nan(loss))
+        loss_nonfinite = _all_replicas_any(loss_nonfinite)
+        loss_has_nan = _all_replicas_any(loss_has_nan)
         scale_after = self._read_scale()
         if self.kind == SCALER_KAP:
             skipped = self.optimizer.last_step_skipped > 0
@@ -146,52 +240,60 @@ class StepRecorder:
         if self.kind == SCALER_KAP:
             step = tf.cast(self.optimizer.total_steps, tf.int64)
         else:
-            step = self.total_steps.read_value()
+            step = tf.convert_to_tensor(self.total_steps)
         leaves = self._stash_leaves(data)
+        keep = loss_nonfinite if self.loss_watched else tf.constant(True)
 
         def record():
             slot = self.event_count % self.capacity
-            self.event_steps[slot].assign(step)
-            self.scales_before[slot].assign(scale_before)
-            self.scales_after[slot].assign(scale_after)
-            self.loss_nonfinite[slot].assign(tf.cast(loss_nonfinite, tf.int64))
-            self.loss_has_nan[slot].assign(tf.cast(loss_has_nan, tf.int64))
-            keep = loss_nonfinite if self.loss_watched else tf.constant(True)
+            _put(self.event_steps, slot, step)
+            _put(self.scales_before, slot, scale_before)
+            _put(self.scales_after, slot, scale_after)
+            _put(self.loss_nonfinite, slot, loss_nonfinite)
+            _put(self.loss_has_nan, slot, loss_has_nan)
             tf.cond(keep, stash, lambda: tf.constant(0))
             self.event_count.assign_add(1)
             return tf.constant(0)
 
         def stash():
             # Only forward overflows are replayed, so only their batch is kept.
-            for variable, tensor in zip(self._stash_variables, leaves, strict=True):
-                variable.assign(tensor)
+            fits = tf.constant(True)
+            for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
+                fits &= buffer.fits(tensor)
+            return tf.cond(fits, write_stash, lambda: tf.constant(0))
+
+        def write_stash():
+            for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
+                buffer.write(tensor)
             self.stash_step.assign(step)
             return tf.constant(0)
 
         tf.cond(is_event, record, lambda: tf.constant(0))
+        return skipped
 
     def _stash_leaves(self, data):
-        """Return the batch's tensors; create their stash variables on first use."""
+        """Return the batch's tensors; create their stash buffers on first use."""
         flat = tf.nest.flatten(data)
         leaves = [tf.convert_to_tensor(t) for t in flat if t is not None]
-        dtypes = [t.dtype for t in leaves]
+        signature = [(t.dtype, t.shape.rank) for t in leaves]
         if (
             self._stash_variables is None
-            or [v.dtype for v in self._stash_variables] != dtypes
+            or [(b.dtype, b.rank) for b in self._stash_variables] != signature
         ):
-            # Lifted out of the traced function: created once, eagerly, with an
-            # unknown shape so any batch shape can be stored.
-            with tf.init_scope():
-                self._stash_variables = [
-                    tf.Variable(
-                        tf.zeros([0] * t.shape.rank, t.dtype),
-                        shape=tf.TensorShape(None),
-                        trainable=False,
-                    )
-                    for t in leaves
-                ]
+            context = tf.distribute.get_replica_context()
+            if tf.distribute.has_strategy() and context is not None:
+                # Replicas trace in their own threads: one merge_call creates
+                # the buffers once, mirrored, in cross-replica context.
+                context.merge_call(lambda _: self._create_stash(leaves))
+            else:
+                self._create_stash(leaves)
         self._stash_structure = (data, [t is None for t in flat])
         return leaves
+
+    def _create_stash(self, leaves):
+        # Lifted out of the traced function: created once, eagerly.
+        with tf.init_scope(), self.strategy.scope():
+            self._stash_variables = [_StashBuffer(t) for t in leaves]
 
     # -- host side ---------------------------------------------------------------
     def stashed_batch(self):
@@ -200,7 +302,7 @@ class StepRecorder:
         if step == 0 or self._stash_variables is None:
             return 0, None
         structure, is_none = self._stash_structure
-        values = iter([tf.convert_to_tensor(v) for v in self._stash_variables])
+        values = iter([buffer.read() for buffer in self._stash_variables])
         flat = [None if none else next(values) for none in is_none]
         return step, tf.nest.pack_sequence_as(structure, flat)
 
@@ -238,6 +340,105 @@ class StepRecorder:
         """Set the counters after a resume so step numbers continue exactly."""
         self.total_steps.assign(total_steps)
         self.event_count.assign(event_count)
+
+
+class _StashBuffer:
+    """A fixed-size flat buffer holding one tensor of any shape up to a size.
+
+    XLA cannot change a variable's shape, so a batch is stored flattened at
+    the start of a 1-D buffer, with its shape beside it. The size is the
+    element count the batch had when the step was first traced (Keras traces
+    the first, full batch with static shapes); a larger batch is not stored.
+    """
+
+    DEFAULT_SIZE = 1 << 16
+
+    def __init__(self, example):
+        self.dtype = example.dtype
+        self.rank = example.shape.rank
+        size = example.shape.num_elements()
+        self.size = max(int(size), 1) if size is not None else self.DEFAULT_SIZE
+        self.values = _variable("amp_monitor_stash", [self.size], self.dtype)
+        self.shape = _variable("amp_monitor_stash_shape", [self.rank], tf.int64)
+
+    def fits(self, tensor):
+        """Return a boolean tensor: True when `tensor` fits in the buffer."""
+        return tf.size(tensor, out_type=tf.int64) <= self.size
+
+    def write(self, tensor):
+        """Store `tensor` (call only when `fits(tensor)`)."""
+        flat = tf.reshape(tensor, [-1])
+        padding = self.size - tf.size(flat)
+        # A static-size write: the batch, then zeros up to the buffer's size.
+        self.values.assign(tf.concat([flat, tf.zeros([padding], self.dtype)], 0))
+        self.shape.assign(tf.shape(tensor, out_type=tf.int64))
+
+    def read(self):
+        """Return the stored tensor (host side)."""
+        shape = self.shape.numpy()
+        count = int(np.prod(shape)) if len(shape) else 1
+        return tf.reshape(tf.convert_to_tensor(self.values)[:count], shape)
+
+
+class _CallOrder:
+    """Record, while the step is traced, the order the leaf layers are called.
+
+    Pure Python around each layer's `call` (an instance attribute, removed on
+    exit): it adds nothing to the traced graph. Replicas of a MirroredStrategy
+    trace in their own threads, interleaved: only one records at a time.
+    """
+
+    _active = set()
+    _lock = threading.Lock()
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = []
+        self._originals = []
+
+    def __enter__(self):
+        if not tf.inside_function():
+            return self
+        with self._lock:
+            if id(self.model) in self._active:
+                return self
+            self._active.add(id(self.model))
+        self._owner = True
+        for layer in _leaf_layers(self.model):
+            self._originals.append((layer, layer.__dict__.get("call")))
+            layer.call = self._wrap(layer, layer.call)
+        return self
+
+    def _wrap(self, layer, original):
+        def recorded_call(*args, **kwargs):
+            if not any(seen is layer for seen in self.layers):
+                self.layers.append(layer)
+            return original(*args, **kwargs)
+
+        return recorded_call
+
+    def __exit__(self, *exc_info):
+        for layer, previous in self._originals:
+            if previous is None:
+                layer.__dict__.pop("call", None)
+            else:
+                layer.call = previous
+        self._originals = []
+        if getattr(self, "_owner", False):
+            with self._lock:
+                self._active.discard(id(self.model))
+        return False
+
+
+def _leaf_layers(model):
+    return [layer for layer in candidate_layers(model) if not _has_sublayers(layer)]
+
+
+def _has_sublayers(layer):
+    return any(
+        not isinstance(sub, keras.layers.InputLayer)
+        for sub in _compat.direct_sublayers(layer)
+    )
 
 
 def _finite_or_none(value):

@@ -57,6 +57,7 @@ def build_overflow_records(optimizer, var_list) -> None:
 
     for name in _COUNTERS:
         add(name, (), "int64")
+    # Every name here is in _RECORDS.
     add("variable_overflow_counts", (num_variables,), "int64")
     add("event_steps", (capacity,), "int64")
     add("event_scales_before", (capacity,), "float32")
@@ -101,6 +102,39 @@ def record_skipped_step(
     put(optimizer.event_scales_after, scale_after)
     put(optimizer.event_has_nan, nan)
     put(optimizer.event_variable_masks, mask)
+
+
+_RECORDS = (
+    *_COUNTERS,
+    "variable_overflow_counts",
+    "event_steps",
+    "event_scales_before",
+    "event_scales_after",
+    "event_has_nan",
+    "event_variable_masks",
+)
+
+
+def _keras_scaler_variables(optimizer) -> list:
+    """Return the variables Keras's own scaler saves, in its order."""
+    records = {id(getattr(optimizer, name)) for name in _RECORDS}
+    return [v for v in optimizer.variables if id(v) not in records]
+
+
+def is_keras_scaler_store(optimizer, store) -> bool:
+    """Return True when `store` was saved by Keras's `LossScaleOptimizer`."""
+    expected = _keras_scaler_variables(optimizer)
+    if len(store.keys()) != len(expected) or len(expected) == len(optimizer.variables):
+        return False
+    return all(
+        tuple(store[str(i)].shape) == tuple(v.shape) for i, v in enumerate(expected)
+    )
+
+
+def load_keras_scaler_store(optimizer, store) -> None:
+    """Load the scale, step counter and inner optimizer from Keras's scaler."""
+    for i, variable in enumerate(_keras_scaler_variables(optimizer)):
+        variable.assign(store[str(i)])
 
 
 def require_built(optimizer, method: str) -> None:

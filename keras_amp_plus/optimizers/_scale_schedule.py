@@ -13,11 +13,15 @@ from keras_amp_plus import _compat
 
 _FLOOR_ADVICE = (
     "The loss scale cannot back off any further, so steps like this one will "
-    "keep being skipped. Try: a lower learning rate or gradient clipping on the "
-    "inner optimizer; finding the layer responsible with "
-    "`optimizer.overflow_summary()['by_variable']` (or the AMPMonitor callback) "
-    "and keeping it in float32; the `mixed_bfloat16` policy, which has "
-    "float32's exponent range; or a lower `min_scale`."
+    "keep being skipped. If every gradient was non-finite, the loss itself was "
+    "Inf/NaN (a forward overflow: a layer's output exceeded float16's range, "
+    "whatever the scale): keep that layer in float32 (the AMPMonitor callback "
+    "finds and denies it) or use the `mixed_bfloat16` policy, which has "
+    "float32's exponent range; a lower learning rate does not help. If only "
+    "some gradients overflowed (a backward overflow), try a lower learning rate "
+    "or gradient clipping on the inner optimizer, keep the layers of "
+    "`optimizer.overflow_summary()['by_variable']` in float32, or lower "
+    "`min_scale`."
 )
 _RAISE_TEMPLATE = (
     "LossScaleOptimizer: gradients overflowed at step {} while the loss scale "

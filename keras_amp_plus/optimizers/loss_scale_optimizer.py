@@ -180,7 +180,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         _overflow_records.build_overflow_records(self, var_list)
 
     def load_own_variables(self, store) -> None:
-        """Load the saved variables; floor overflows loaded were acted on before."""
+        """Load the saved variables; floor overflows loaded were acted on before.
+
+        A file saved with Keras's own `LossScaleOptimizer` holds its scale,
+        step counter and inner optimizer's variables but no records: those are
+        loaded and the records start empty.
+        """
+        if self.built and _overflow_records.is_keras_scaler_store(self, store):
+            _overflow_records.load_keras_scaler_store(self, store)
+            return
         super().load_own_variables(store)
         if self.built:
             # Without this, the host-side `on_min_scale` action of an

@@ -1,0 +1,166 @@
+"""AMPMonitor on small real models: a CNN and a transformer block.
+
+Each model overflows float16 in one place on purpose, fine in float32, with a
+normalization after it that brings values back to order 1: (a) a Dense with a
+large fixed kernel, (b) a weightless `Activation` (exponential of a shifted
+input), (c) the attention scores inside `MultiHeadAttention` (large queries and
+keys: the scores, computed between its sublayers, overflow), (d) a Dense inside
+a nested `Sequential`. Each runs with `jit_compile` off and on: the right layer
+is named (by its name chain) and denied, every other layer stays float16, and
+the final loss is within 5% of the same model trained in float32 with as many
+applied updates (the first epoch's steps are all skipped in float16).
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from keras_amp_plus.callbacks import AMPMonitor
+from keras_amp_plus.optimizers import LossScaleOptimizer
+
+BATCH, SAMPLES, EPOCHS = 16, 96, 8
+STEPS = SAMPLES // BATCH
+
+
+def _hot_dense(name):
+    return keras.layers.Dense(
+        8,
+        name=name,
+        trainable=False,
+        kernel_initializer=keras.initializers.RandomNormal(stddev=3e4, seed=1),
+    )
+
+
+def cnn(culprit):
+    """A small CNN; `culprit` picks where float16 overflows."""
+    inputs = keras.Input((6, 6, 1))
+    h = keras.layers.Conv2D(4, 3, padding="same", name="conv")(inputs)
+    if culprit == "dense":
+        h = _hot_dense("hot")(h)
+    elif culprit == "activation":
+        h = keras.layers.Rescaling(1.0, offset=12.0, name="shift")(h)
+        h = keras.layers.Activation("exponential", name="hot")(h)
+    elif culprit == "nested":
+        backbone = keras.Sequential(
+            [keras.layers.Dense(8, name="pre"), _hot_dense("hot")], name="backbone"
+        )
+        h = backbone(h)
+    h = keras.layers.LayerNormalization(name="ln")(h)
+    h = keras.layers.MaxPooling2D(name="pool")(h)
+    h = keras.layers.GlobalAveragePooling2D(name="gap")(h)
+    outputs = keras.layers.Dense(1, name="head")(h)
+    return keras.Model(inputs, outputs, name="cnn")
+
+
+def transformer(culprit):
+    """A small transformer block; `culprit` picks where float16 overflows."""
+    inputs = keras.Input((4, 8))
+    h = keras.layers.Dense(8, name="embed")(inputs)
+    boost = 400.0 if culprit == "attention" else 1.0
+    h = keras.layers.Rescaling(boost, name="boost")(h)
+    attention = keras.layers.MultiHeadAttention(
+        2,
+        8,
+        name="attention",
+        kernel_initializer=keras.initializers.GlorotUniform(seed=2),
+    )(h, h)
+    h = keras.layers.LayerNormalization(name="ln1")(attention + h)
+    if culprit == "dense":
+        h = _hot_dense("hot")(h)
+    h = keras.layers.LayerNormalization(name="ln2")(h)
+    h = keras.layers.Dense(16, activation="relu", name="ff")(h)
+    h = keras.layers.GlobalAveragePooling1D(name="gap")(h)
+    outputs = keras.layers.Dense(1, name="head")(h)
+    return keras.Model(inputs, outputs, name="transformer")
+
+
+CASES = {
+    "cnn-dense": (cnn, "dense", "hot"),
+    "cnn-activation": (cnn, "activation", "hot"),
+    "cnn-nested": (cnn, "nested", "backbone/hot"),
+    "transformer-attention": (transformer, "attention", "attention"),
+    "transformer-dense": (transformer, "dense", "hot"),
+}
+
+
+def data(build):
+    rng = np.random.default_rng(0)
+    shape = (6, 6, 1) if build is cnn else (4, 8)
+    x = rng.normal(size=(SAMPLES, *shape)).astype("float32")
+    y = np.tanh(x.reshape(SAMPLES, -1).mean(axis=1, keepdims=True) * 3)
+    return x, y.astype("float32")
+
+
+def fit(build, culprit, policy, jit_compile, callbacks=(), epochs=EPOCHS):
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    model = build(culprit)
+    optimizer = keras.optimizers.Adam(0.01)
+    if policy == "mixed_float16":
+        # The floor action is the scaler's business (tested with it).
+        optimizer = LossScaleOptimizer(optimizer, on_min_scale="ignore")
+    model.compile(optimizer, "mse", jit_compile=jit_compile)
+    x, y = data(build)
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=list(callbacks),
+    )
+    return model, history
+
+
+def leaf_dtypes(model):
+    from keras_amp_plus._lists.layer_names import layer_chains
+
+    chains = layer_chains(model)
+    return {
+        chains[id(layer)]: layer.compute_dtype
+        for layer in model._flatten_layers(include_self=False)
+        if id(layer) in chains and not isinstance(layer, keras.Model)
+    }
+
+
+@pytest.mark.parametrize(
+    "jit_compile", [False, pytest.param(True, marks=pytest.mark.slow)]
+)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_culprit_is_named_and_denied_and_training_recovers(
+    case, jit_compile, tmp_path
+):
+    build, culprit, expected = CASES[case]
+    log_dir = str(tmp_path)
+    monitor = AMPMonitor(log_dir, read_every_steps=3, patience=50)
+    model, history = fit(build, culprit, "mixed_float16", jit_compile, [monitor])
+    # Skipped steps (all of the first epoch; the scaler's search after the
+    # scale is put back) apply no update: float32 gets as many updates.
+    skipped_epochs = round(sum(history.history["overflow_events"]) / STEPS)
+    _, reference = fit(
+        build, culprit, "float32", jit_compile, epochs=EPOCHS - skipped_epochs
+    )
+
+    with open(os.path.join(log_dir, "amp_events.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    # Attributed: forward, or backward at a trusted scale. After the denial
+    # the scale is put back and the scaler may search again (untrusted).
+    attributed = [r for r in records if r["type"] == "overflow" and r["trusted"]]
+    assert attributed, "the injected overflow never happened"
+    assert {tuple(r["layers"]) for r in attributed} == {(expected,)}
+    assert all(r["direction"] == "forward" for r in attributed)
+    assert {r["epoch"] for r in attributed} == {0}
+    assert monitor.lists.deny_layers == (expected,)
+    dtypes = leaf_dtypes(model)
+    denied = {c for c in dtypes if c == expected or c.startswith(expected + "/")}
+    assert {dtypes[c] for c in denied} == {"float32"}
+    assert {d for c, d in dtypes.items() if c not in denied} == {"float16"}
+    restored = [r for r in records if r["type"] == "scale_restored"]
+    assert [(r["epoch"], r["to"]) for r in restored] == [(0, 2.0**15)]
+    final, final_reference = history.history["loss"][-1], reference.history["loss"][-1]
+    # Recovered: at most 5% worse than float32 (float16 may end lower).
+    assert final <= 1.05 * final_reference

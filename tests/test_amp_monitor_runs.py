@@ -1,0 +1,300 @@
+"""AMPMonitor across epochs, runs and reloads; its arguments; MirroredStrategy.
+
+Uses the `overflow_model` of `test_amp_monitor` (layer `hot` overflows float16)
+with a batch that overflows only sometimes: `hot` has a moderate fixed kernel,
+fine on normal inputs, and one batch per epoch holds inputs 1e4 times larger.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+from test_amp_monitor import (
+    BATCH,
+    STEPS_PER_EPOCH,
+    overflow_model,
+    read_jsonl,
+    read_tensorboard,
+    regression_data,
+    scalar_series,
+    train,
+)
+
+from keras_amp_plus.callbacks import AMPMonitor
+from keras_amp_plus.callbacks.adaptation import AdaptationRule
+from keras_amp_plus.optimizers import LossScaleOptimizer
+
+
+def sporadic_data():
+    """Regression data whose second batch overflows `hot` in float16."""
+    x, y = regression_data()
+    x[BATCH : 2 * BATCH] *= 1e4
+    return x, y
+
+
+def fit_sporadic(monitor, epochs):
+    model = overflow_model("mixed_float16", hot_scale=10.0)
+    x, y = sporadic_data()
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=[monitor],
+    )
+    return model, history
+
+
+def test_rule_accumulates_sporadic_evidence_with_decay():
+    rule = AdaptationRule()  # deny_threshold=2, evidence_decay=0.7
+    decisions = [rule.decide(epoch, {"a": 1}, set()) for epoch in range(3)]
+    assert [[(d.layer, d.to) for d in ds] for ds in decisions] == [
+        [],
+        [],
+        [("a", "deny")],
+    ]
+    lone = AdaptationRule()
+    assert lone.decide(0, {"b": 1}, set()) == []
+    assert all(lone.decide(epoch, {}, set()) == [] for epoch in range(1, 30))
+    per_epoch = AdaptationRule(evidence_decay=0.0)
+    assert all(per_epoch.decide(e, {"a": 1}, set()) == [] for e in range(5))
+
+
+def test_one_overflow_per_epoch_is_denied_at_the_third_and_loss_stays_finite(
+    tmp_path,
+):
+    monitor = AMPMonitor(str(tmp_path), read_every_steps=2)
+    model, history = fit_sporadic(monitor, epochs=4)
+    records = read_jsonl(str(tmp_path))
+    forward = [r for r in records if r["type"] == "overflow" and r["trusted"]]
+    assert [(r["epoch"], r["layers"]) for r in forward] == [
+        (epoch, ["hot"]) for epoch in range(3)
+    ]
+    changes = [r for r in records if r["type"] == "list_change"]
+    assert [(c["epoch"], c["name"], c["to"]) for c in changes] == [(2, "hot", "deny")]
+    assert monitor.lists.deny_layers == ("hot",)
+    assert model.get_layer("hot").compute_dtype == "float32"
+    # The skipped step's Inf loss is left out of the epoch's mean.
+    assert np.all(np.isfinite(history.history["loss"]))
+
+
+def test_skipped_steps_loss_can_be_kept_in_the_epoch_mean():
+    monitor = AMPMonitor(adapt=False, exclude_skipped_steps=False)
+    _, history = fit_sporadic(monitor, epochs=1)
+    assert history.history["overflow_events"][0] >= 1
+    assert not np.isfinite(history.history["loss"][0])
+
+
+def test_early_stopping_on_loss_keeps_a_run_with_sporadic_overflows():
+    monitor = AMPMonitor(adapt=False, evidence_decay=0.0)
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=1)
+    model = overflow_model("mixed_float16", hot_scale=10.0)
+    x, y = sporadic_data()
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=4,
+        shuffle=False,
+        verbose=0,
+        callbacks=[monitor, stop],
+    )
+    assert len(history.history["loss"]) == 4
+
+
+def nested_overflow_model():
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    backbone = keras.Sequential(
+        [
+            keras.layers.Dense(8, name="d1"),
+            keras.layers.Dense(
+                16,
+                name="hot",
+                trainable=False,
+                kernel_initializer=keras.initializers.RandomNormal(stddev=3e4, seed=1),
+            ),
+        ],
+        name="backbone",
+    )
+    inputs = keras.Input((4,))
+    h = keras.layers.LayerNormalization(name="ln")(backbone(inputs))
+    outputs = keras.layers.Dense(1, name="head")(h)
+    model = keras.Model(inputs, outputs)
+    model.compile(LossScaleOptimizer(keras.optimizers.Adam(0.1)), loss="mse")
+    return model
+
+
+def test_a_reloaded_nested_model_keeps_the_names_the_monitor_wrote(tmp_path):
+    log_dir = str(tmp_path / "logs")
+    model = nested_overflow_model()
+    monitor = AMPMonitor(log_dir, read_every_steps=4, patience=50)
+    train(model, [monitor], epochs=2)
+    assert monitor.lists.deny_layers == ("backbone/hot",)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+
+    loaded = keras.saving.load_model(path)
+    assert loaded.get_layer("backbone").get_layer("hot").compute_dtype == "float32"
+    # The same monitor (its lists and state file) goes on with the reloaded model.
+    monitor.set_model(loaded)
+    train(loaded, [monitor], epochs=1)
+    again = AMPMonitor(str(tmp_path / "other"), lists=monitor.lists)
+    train(loaded, [again], epochs=1)
+    hot = loaded.get_layer("backbone").get_layer("hot")
+    assert hot.compute_dtype == "float32"
+    events = [r for r in read_jsonl(log_dir) if r["type"] == "overflow"]
+    assert {tuple(e["layers"]) for e in events if e["trusted"]} == {("backbone/hot",)}
+
+
+def test_backward_blame_uses_the_order_the_step_ran_the_layers():
+    from keras_amp_plus.callbacks.attribution import LayerIndex
+    from keras_amp_plus.callbacks.step_recorder import StepRecorder
+
+    keras.utils.set_random_seed(0)
+    backbone = keras.Sequential(
+        [keras.layers.Dense(4, name=f"bb{i}") for i in (1, 2, 3)], name="backbone"
+    )
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(1, name="head")(backbone(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile("sgd", "mse")
+    recorder = StepRecorder(model, 4)
+    recorder.install()
+    model.make_train_function(force=True)
+    model.fit(np.ones((4, 4)), np.ones((4, 1)), verbose=0)
+    recorder.uninstall()
+    index = LayerIndex(model)
+    index.set_call_order(recorder.call_order)
+    kernels = [
+        layer.kernel.path for layer in backbone.layers
+    ]  # bb1, bb2, bb3: all implicated, bb3 is closest to the loss
+    implicated = index.layers_of_variables(kernels)
+    assert implicated == ["backbone/bb1", "backbone/bb2", "backbone/bb3"]
+    assert index.backward_origin(implicated) == "backbone/bb3"
+
+
+def test_a_second_run_appends_and_continues_the_tensorboard_steps(tmp_path):
+    log_dir = str(tmp_path)
+    train(overflow_model("mixed_float16"), [AMPMonitor(log_dir)], epochs=2)
+    first = read_jsonl(log_dir)
+    first_steps = scalar_series(read_tensorboard(log_dir), "amp/skipped_steps")
+    monitor = AMPMonitor(log_dir)
+    model = overflow_model("mixed_float16")
+    train(model, [monitor], epochs=2)
+    records = read_jsonl(log_dir)
+    assert records[: len(first)] == first  # never rewritten
+    assert {r["run"] for r in first} == {1}
+    assert {r["run"] for r in records[len(first) :]} == {2}
+    # The same monitor in another fit continues too.
+    train(model, [monitor], epochs=1)
+    accumulator = read_tensorboard(log_dir)
+    per_epoch = scalar_series(accumulator, "amp/overflow_events")
+    assert sorted(per_epoch) == [0, 1, 2, 3, 4]
+    steps = scalar_series(accumulator, "amp/skipped_steps")
+    assert max(steps) == 5 * STEPS_PER_EPOCH
+    assert max(first_steps) == 2 * STEPS_PER_EPOCH
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"adapt": "no"}, TypeError),
+        ({"replay": "false"}, TypeError),
+        ({"exclude_skipped_steps": 1}, TypeError),
+        ({"engine": "xla"}, ValueError),
+        ({"engine": 42}, ValueError),
+        ({"log_dir": ""}, ValueError),
+        ({"trusted_backward_scale": -5}, ValueError),
+        ({"trusted_backward_scale": float("nan")}, ValueError),
+        ({"trusted_backward_scale": True}, ValueError),
+        ({"evidence_decay": 1.0}, ValueError),
+        ({"patience": True}, ValueError),
+    ],
+)
+def test_every_argument_is_checked_at_construction(kwargs, error):
+    (name,) = kwargs
+    with pytest.raises(error, match=f"Received: {name}="):
+        AMPMonitor(**kwargs)
+
+
+MIRRORED_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+    sys.path.insert(0, {tests!r})
+    from test_amp_monitor import overflow_model, train
+    from keras_amp_plus.callbacks import AMPMonitor
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = overflow_model("mixed_float16")
+    monitor = AMPMonitor({log_dir!r}, read_every_steps=4, patience=50)
+    history = train(model, [monitor], epochs=2)
+    print(json.dumps({{"events": history.history["overflow_events"],
+                      "deny": list(monitor.lists.deny_layers)}}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_mirrored_strategy_on_two_logical_cpus(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tests = os.path.join(root, "tests")
+    script = MIRRORED_SCRIPT.format(tests=tests, log_dir=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    # One event per overflow step (not per replica), `hot` denied.
+    assert summary["events"][0] == STEPS_PER_EPOCH
+    assert summary["deny"] == ["hot"]
+    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    first = [r["step"] for r in events if r["epoch"] == 0]
+    assert first == list(range(1, STEPS_PER_EPOCH + 1))
+
+
+class CountingModel(keras.Model):
+    """Counts how often its train step is traced (a Python side effect)."""
+
+    traces = 0
+
+    def train_step(self, data):
+        CountingModel.traces += 1
+        return super().train_step(data)
+
+
+def test_repeated_fits_reuse_the_traced_step():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = CountingModel(inputs, keras.layers.Dense(1, name="head")(inputs))
+    model.compile("sgd", "mse")
+    monitor = AMPMonitor()
+    x, y = np.ones((32, 4)), np.ones((32, 1))
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    after_first = CountingModel.traces
+    for _ in range(3):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    assert after_first >= 1
+    assert CountingModel.traces == after_first
+    # Recompiling makes a new train function: traced again, still recorded.
+    model.compile("sgd", "mse")
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    assert CountingModel.traces > after_first

@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from keras_amp_plus import _compat
 from keras_amp_plus.layers import _validation
 from keras_amp_plus.layers._fused_normalization import (
     fused_normalize,
@@ -91,7 +92,7 @@ class InstanceNormalization(keras.layers.Layer):
         self.beta_constraint = keras.constraints.get(beta_constraint)
         self.gamma_constraint = keras.constraints.get(gamma_constraint)
         self.supports_masking = True
-        self.autocast = False
+        _compat.disable_input_autocast(self)
 
     def _check_addons_groups(self, channels):
         """Raise unless a TF Addons `groups` means one group per channel."""
@@ -143,7 +144,7 @@ class InstanceNormalization(keras.layers.Layer):
             initializer=getattr(self, f"{name}_initializer"),
             regularizer=getattr(self, f"{name}_regularizer"),
             constraint=getattr(self, f"{name}_constraint"),
-            autocast=False,
+            **_compat.no_autocast(),
         )
 
     def call(self, inputs):

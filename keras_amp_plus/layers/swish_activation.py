@@ -143,7 +143,7 @@ class Swish(keras.layers.Layer):
                 shape=(),
                 initializer=keras.initializers.Constant(self.initial_beta),
                 dtype="float32",
-                autocast=False,
+                **_compat.no_autocast(),
             )
         else:
             self.beta = None

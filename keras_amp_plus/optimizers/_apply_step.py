@@ -66,10 +66,10 @@ def apply_unscaled(optimizer, grads, trainable_variables):
         unscaled = [
             g
             if g is None or getattr(v, "overwrite_with_gradient", False)
-            else keras.ops.divide(g, scale)
+            else _compat.divide(g, scale)
             for g, v in zip(grads, variables, strict=True)
         ]
-    optimizer.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
+    _compat.apply_inner(optimizer.inner_optimizer, unscaled, trainable_variables)
 
 
 def _finish_step(optimizer, flags, apply_fn, has_nan_fn):

@@ -386,13 +386,14 @@ def _make_keras2_loss_scale_base():
         ):
             grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
             aggregate = kwargs.pop("experimental_aggregate_gradients", True)
-            if tf.distribute.has_strategy() and aggregate:
-                if not skip_gradients_aggregation:
-                    # Every replica must see the same (possibly non-finite)
-                    # gradients to take the same branch.
-                    grads_and_vars = self._optimizer.aggregate_gradients(
-                        grads_and_vars
-                    )
+            if (
+                tf.distribute.has_strategy()
+                and aggregate
+                and not skip_gradients_aggregation
+            ):
+                # Every replica must see the same (possibly non-finite)
+                # gradients to take the same branch.
+                grads_and_vars = self._optimizer.aggregate_gradients(grads_and_vars)
             grads = [g for g, _ in grads_and_vars]
             variables = [v for _, v in grads_and_vars]
             return self.apply(grads, variables)

@@ -1,4 +1,11 @@
-"""Shared fixtures: every test leaves global state as it found it."""
+"""Shared fixtures: every test leaves global state as it found it.
+
+Stack markers: `keras3` tests need Keras 3 (stock TensorFlow >= 2.16); `itex`
+tests need the ITEX stack (TensorFlow 2.15 + Keras 2.15 + Intel Extension for
+TensorFlow); `itex_bfloat16` tests also need ITEX's bfloat16 kernels, which a
+subprocess probe checks (on CPUs without AVX512 the first bfloat16 MatMul
+aborts the process). Each is skipped elsewhere with the reason.
+"""
 
 import os
 
@@ -8,6 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import pytest
 
+from keras_amp_plus import _compat
 from keras_amp_plus.engines.grappler import (
     capture_global_state,
     put_back_global_state,
@@ -16,12 +24,43 @@ from keras_amp_plus.engines.grappler import (
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Skip the tests of the other stack, with the reason."""
+    itex_reason = None
+    for item in items:
+        if "keras3" in item.keywords and not _compat.IS_KERAS_3:
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs Keras 3; keras=={keras.__version__}")
+            )
+        needs_itex = "itex" in item.keywords or "itex_bfloat16" in item.keywords
+        if needs_itex and _compat.itex_module() is None:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="needs Intel Extension for TensorFlow (the ITEX "
+                    "stack: `make test-itex`)"
+                )
+            )
+            continue
+        if "itex_bfloat16" in item.keywords:
+            if itex_reason is None:
+                from keras_amp_plus import itex_probe
+
+                status = itex_probe.itex_bfloat16_status()
+                itex_reason = "" if status["works"] else status["reason"]
+            if itex_reason:
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"ITEX bfloat16 kernels do not work here: {itex_reason}"
+                    )
+                )
+
+
 @pytest.fixture(autouse=True)
 def restore_keras_state():
     """Reset the global dtype policy and the Keras session after each test."""
-    policy = keras.config.dtype_policy()
+    policy = _compat.global_policy()
     yield
-    keras.config.set_dtype_policy(policy)
+    _compat.set_global_policy(policy)
     keras.backend.clear_session()
 
 
@@ -31,3 +70,16 @@ def restore_grappler_state():
     state = capture_global_state()
     yield
     put_back_global_state(*state)
+
+
+@pytest.fixture(autouse=True)
+def restore_itex_config():
+    """ITEX's config is process-global: put it back after every test."""
+    itex = _compat.itex_module()
+    if itex is None:
+        yield
+        return
+    saved = type(itex.get_config())()
+    saved.CopyFrom(itex.get_config())
+    yield
+    itex.set_config(saved)

@@ -71,7 +71,8 @@ def check_fit_setup(monitor, model):
         check_writable(monitor.log_dir)
     engine = resolve_engine(monitor.engine, model)
     if engine.name == "itex":
-        require_itex()  # fail now, not at the first list change
+        # Fail now (no ITEX, or bfloat16 kernels that abort), not mid-fit.
+        getattr(engine, "check_ready", require_itex)()
     if engine.level == "layer":
         ops = {f: getattr(monitor.lists, f) for f in OP_FIELDS}
         if any(ops.values()):

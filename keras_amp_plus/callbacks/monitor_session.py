@@ -82,7 +82,8 @@ class MonitorSession:
         self.recorder.restore_counters(state.total_steps, state.recorder_events)
         self.collector.set_cursors(state.recorder_events, state.scaler_events)
         self.log.open(keep_lines=state.jsonl_lines if continuing else None)
-        if monitor.lists != PrecisionLists():
+        switches_amp_on = getattr(self.engine, "switches_amp_on", False)
+        if monitor.lists != PrecisionLists() or switches_amp_on:
             self.engine.apply(self.model, monitor.lists)
         self.log.text("amp/lists", monitor.lists.to_markdown(), epoch)
         self.started = True

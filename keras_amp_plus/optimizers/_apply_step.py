@@ -14,7 +14,6 @@ Three ways to run, like Keras's own scaler:
   all-reduced so every replica takes the same branch.
 """
 
-import keras
 import tensorflow as tf
 
 from keras_amp_plus import _compat

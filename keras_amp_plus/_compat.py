@@ -113,6 +113,18 @@ def disable_input_autocast(layer) -> None:
         layer._autocast = False
 
 
+def set_layer_policy(layer, policy) -> None:
+    """Give a built layer another dtype policy (its variables stay as they are).
+
+    Keras 3 has a public setter; Keras 2's `dtype_policy` is read-only and its
+    own constructor goes through the private `_set_dtype_policy`.
+    """
+    if IS_KERAS_3:
+        layer.dtype_policy = policy
+    else:
+        layer._set_dtype_policy(policy)
+
+
 def uses_rms_scaling(layer) -> bool:
     """Return Keras 3's deprecated `LayerNormalization.rms_scaling` (Keras 2: no)."""
     return bool(getattr(layer, "rms_scaling", False))

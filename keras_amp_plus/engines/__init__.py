@@ -4,7 +4,7 @@
 - `grappler`: op level, stock TensorFlow's `auto_mixed_precision_onednn_bfloat16`
   rewrite and its `TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_*` lists.
 - `itex`: op level, ITEX's `itex.set_config` (ITEX stack only).
-- `auto`: itex if importable, else keras for a mixed-policy model, else grappler.
+- `auto`: keras for a mixed-policy model, else itex if importable, else grappler.
 
 Graph engines translate layer entries to op types with `op_types_for_layer`
 (the mapping is documented in `keras_amp_plus.engines.op_types`).

@@ -1,9 +1,10 @@
 """`resolve_engine`: turn "keras" | "grappler" | "itex" | "auto" into an Engine.
 
-"auto" picks, in order: `itex` when ITEX is importable; else `keras` when the
-model uses a mixed dtype policy (the global policy or any layer's), since the
-policies already decide its precision; else `grappler`, which converts a
-float32 model by op type.
+"auto" picks, in order: `keras` when the model uses a mixed dtype policy (the
+global policy or any layer's), since the policies already decide its precision
+(on both stacks); else `itex` when ITEX is importable (its Advanced AMP
+converts a float32 model by op type); else `grappler`, stock TensorFlow's
+rewrite of a float32 model by op type.
 """
 
 import keras
@@ -19,10 +20,10 @@ ENGINE_NAMES = ("keras", "grappler", "itex", "auto")
 
 def auto_engine_name(model: keras.Model) -> str:
     """Return the engine name "auto" stands for, for this model."""
-    if _compat.itex_module() is not None:
-        return "itex"
     if model_uses_mixed_policy(model):
         return "keras"
+    if _compat.itex_module() is not None:
+        return "itex"
     return "grappler"
 
 

@@ -349,6 +349,10 @@ def _make_keras2_loss_scale_base():
             self.built = False
             self._own_variables = []
 
+        def build(self, var_list):
+            super().build(var_list)
+            self.built = True  # as Keras 3's optimizers say it
+
         @property
         def dynamic_scale(self):
             return self._loss_scale.current_loss_scale
@@ -421,6 +425,30 @@ else:
     KerasLossScaleOptimizer = (
         keras.mixed_precision.LossScaleOptimizer,
         LossScaleOptimizerBase.__mro__[1],
+    )
+
+
+def current_loss_scale(optimizer):
+    """Return a Keras (or our) loss scaler's current scale (variable or tensor).
+
+    Keras 3 keeps it in `dynamic_scale`; Keras 2's `LossScaleOptimizerV3`
+    exposes it as `loss_scale` (our scaler has both on Keras 2).
+    """
+    if IS_KERAS_3:
+        return optimizer.dynamic_scale
+    return optimizer.loss_scale
+
+
+def optimizer_built(optimizer) -> bool:
+    """Return whether an optimizer created its variables.
+
+    Keras 3 says so in `built`; Keras 2's optimizers set the private `_built`
+    in their `build` (our scaler sets both).
+    """
+    if IS_KERAS_3:
+        return optimizer.built
+    return bool(
+        getattr(optimizer, "built", False) or getattr(optimizer, "_built", False)
     )
 
 

@@ -6,6 +6,7 @@
 
 import logging
 
+from keras_amp_plus import _compat
 from keras_amp_plus.callbacks import checks
 from keras_amp_plus.callbacks import state as state_module
 from keras_amp_plus.callbacks.attribution import LayerIndex
@@ -38,7 +39,7 @@ class MonitorSession:
         self.model = model
         self.engine = checks.check_fit_setup(monitor, model)
         optimizer = model.optimizer
-        if not optimizer.built:
+        if not _compat.optimizer_built(optimizer):
             # The scaler's variables are read by the wrapped step from its
             # first trace on; `BackupAndRestore` builds it the same way.
             optimizer.build(model.trainable_variables)
@@ -138,7 +139,7 @@ class MonitorSession:
         """Return the current loss scale, or None without a scaler."""
         if self.recorder.kind == SCALER_NONE:
             return None
-        return float(self.model.optimizer.dynamic_scale.numpy())
+        return float(_compat.current_loss_scale(self.model.optimizer).numpy())
 
     def report_epoch(self, epoch, events, steps, per_layer) -> None:
         """Write the per-epoch scalars and log a summary line."""

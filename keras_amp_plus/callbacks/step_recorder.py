@@ -11,9 +11,10 @@ monitor can replay it later. Nothing is read by the host inside the step: the
 monitor reads the counters every N <= K steps, which keeps every event exact.
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
+
+from keras_amp_plus import _compat
 
 SCALER_KAP = "keras_amp_plus"
 SCALER_KERAS = "keras"
@@ -24,7 +25,7 @@ def scaler_kind(optimizer) -> str:
     """Return which loss scaler wraps `optimizer`: ours, Keras's own, or none."""
     if hasattr(optimizer, "read_events") and hasattr(optimizer, "overflow_count"):
         return SCALER_KAP
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    if isinstance(optimizer, _compat.KerasLossScaleOptimizer):
         return SCALER_KERAS
     return SCALER_NONE
 
@@ -122,7 +123,8 @@ class StepRecorder:
     def _read_scale(self):
         if self.kind == SCALER_NONE:
             return tf.constant(float("nan"), tf.float32)
-        return tf.identity(tf.cast(self.optimizer.dynamic_scale, tf.float32))
+        scale = _compat.current_loss_scale(self.optimizer)
+        return tf.identity(tf.cast(scale, tf.float32))
 
     def _record_step(self, data, scale_before, losses):
         # A custom `train_step` may compute its loss without `compute_loss`:

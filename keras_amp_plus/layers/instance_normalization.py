@@ -133,6 +133,7 @@ class InstanceNormalization(keras.layers.Layer):
         self._check_addons_groups(channels)
         self.gamma = self._add_channel_weight("gamma", channels, self.scale)
         self.beta = self._add_channel_weight("beta", channels, self.center)
+        self.built = True  # Keras 2 builds again on the first call otherwise
 
     def _add_channel_weight(self, name, channels, enabled):
         """Add a float32 per-channel weight named like GroupNormalization's."""

@@ -147,6 +147,7 @@ class Swish(keras.layers.Layer):
             )
         else:
             self.beta = None
+        self.built = True  # Keras 2 builds again on the first call otherwise
 
     def call(self, inputs):
         """Return `inputs * sigmoid(beta * inputs)` in the compute dtype."""

@@ -28,6 +28,11 @@ if KERAS_MAJOR < 2 or (KERAS_MAJOR == 2 and keras.__version__ < "2.15"):
     )
 
 
+# `compile(jit_compile=...)`'s default: Keras 3 resolves "auto" itself; Keras 2
+# takes None (XLA off unless the model asks for it).
+JIT_COMPILE_DEFAULT = "auto" if IS_KERAS_3 else None
+
+
 def check_tensorflow_backend() -> None:
     """Raise a clear error unless Keras runs on the TensorFlow backend."""
     backend = keras.backend.backend()

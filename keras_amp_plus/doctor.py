@@ -19,6 +19,7 @@ from keras_amp_plus import (
     _compat,
     cpu_features,
     doctor_text,
+    itex_probe,
     matmul_probe,
     recommendation,
 )
@@ -47,7 +48,12 @@ def stack_problems() -> list:
 
 
 def itex_status() -> dict:
-    """Return ITEX's installed version (or None) and whether it imports here."""
+    """Return ITEX's version (or None), whether it imports, and its bfloat16 state.
+
+    Where ITEX imports, `"bfloat16"` holds the subprocess probe's answer
+    (`keras_amp_plus.itex_probe`): `{"works", "backend", "reason"}`; on ITEX's
+    AVX2 CPU backend the first bfloat16 MatMul aborts the process.
+    """
     version = None
     for distribution in ITEX_DISTRIBUTIONS:
         try:
@@ -57,7 +63,21 @@ def itex_status() -> dict:
             continue
     # Importing ITEX loads its kernels: only try when it is installed at all.
     importable = version is not None and _compat.itex_module() is not None
-    return {"version": version, "importable": importable}
+    status = {"version": version, "importable": importable}
+    if importable:
+        status["bfloat16"] = itex_probe.itex_bfloat16_status()
+    return status
+
+
+def probe_dtypes(itex: dict) -> tuple:
+    """Return the dtypes the in-process matmul probe may run.
+
+    With ITEX loaded its kernels run every MatMul; where its bfloat16 kernels
+    abort the process, only float32 is measured.
+    """
+    if itex.get("importable") and not itex.get("bfloat16", {}).get("works", True):
+        return ("float32",)
+    return matmul_probe.DEFAULT_DTYPES
 
 
 def versions() -> dict:
@@ -109,7 +129,7 @@ def fit_xla_status() -> dict:
     what it resolved to (False on CPU-only machines and under tf.distribute).
     """
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse", jit_compile="auto")
+    model.compile(optimizer="sgd", loss="mse", jit_compile=_compat.JIT_COMPILE_DEFAULT)
     return {"jit_compile": bool(model.jit_compile)}
 
 
@@ -124,13 +144,16 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
         A JSON-serializable dict with keys `"versions"`, `"onednn"`, `"cpu"`,
         `"devices"`, `"xla"`, `"probe"` and `"recommendation"`.
     """
+    stack = versions()
     facts = {
-        "versions": versions(),
+        "versions": stack,
         "onednn": onednn_status(),
         "cpu": cpu_status(),
         "devices": device_list(),
         "xla": fit_xla_status(),
-        "probe": matmul_probe.probe_matmul_throughput(probe_seconds, probe_size),
+        "probe": matmul_probe.probe_matmul_throughput(
+            probe_seconds, probe_size, dtypes=probe_dtypes(stack["itex"])
+        ),
     }
     speedups = {
         dtype: result.get("speedup_vs_float32")
@@ -141,6 +164,7 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
         features=facts["cpu"]["features"],
         onednn=facts["onednn"]["enabled"],
         fit_uses_xla=facts["xla"]["jit_compile"],
+        itex_bfloat16=stack["itex"].get("bfloat16"),
     )
     return facts
 

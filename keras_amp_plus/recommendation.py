@@ -93,11 +93,23 @@ def _hardware_warnings(bfloat16, features, onednn) -> list:
     return warnings
 
 
+def _itex_warning(itex_bfloat16: Mapping) -> str:
+    """Return the advice where ITEX's bfloat16 kernels abort the process."""
+    return (
+        "ITEX's bfloat16 kernels do not work on this CPU "
+        f"({itex_bfloat16.get('reason')}): with ITEX loaded every bfloat16 "
+        "MatMul would abort training. Train in float32 here, or use the "
+        "Keras 3 stack (stock TensorFlow) with AMPMonitor(engine='keras') "
+        "for mixed precision"
+    )
+
+
 def recommend(
     speedups: Mapping[str, float | None],
     features: Mapping[str, bool] | None = None,
     onednn: bool | None = None,
     fit_uses_xla: bool = False,
+    itex_bfloat16: Mapping | None = None,
 ) -> dict:
     """Recommend a Keras dtype policy from measured matmul speed-ups.
 
@@ -109,6 +121,8 @@ def recommend(
         onednn: whether TensorFlow's oneDNN kernels are on. Defaults to `None`.
         fit_uses_xla: whether Keras would XLA-compile `fit` here. Defaults to
             `False`.
+        itex_bfloat16: on the ITEX stack, the bfloat16 probe's answer
+            (`{"works", "backend", "reason"}`). Defaults to `None` (no ITEX).
 
     Returns:
         A dict with `"policy"` (`"float32"`, `"mixed_bfloat16"` or
@@ -131,10 +145,21 @@ def recommend(
             "(grappler/ITEX op lists) does not touch XLA functions; pass "
             "jit_compile=False to compile() to use op-level lists"
         )
+    notes = []
+    if itex_bfloat16 is not None and not itex_bfloat16.get("works"):
+        policy = "float32"
+        warnings.append(_itex_warning(itex_bfloat16))
+    elif itex_bfloat16 is not None:
+        notes.append(
+            f"ITEX's bfloat16 kernels work here ({itex_bfloat16.get('backend')} "
+            "CPU backend): AMPMonitor(engine='itex') turns on its Advanced AMP"
+        )
     float16_note = _float16_note(float16, policy)
+    if float16_note:
+        notes.insert(0, float16_note)
     return {
         "policy": policy,
         "summary": _summary(bfloat16, float16, policy),
         "warnings": warnings,
-        "notes": [float16_note] if float16_note else [],
+        "notes": notes,
     }

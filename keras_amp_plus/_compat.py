@@ -118,6 +118,33 @@ def disable_input_autocast(layer) -> None:
         layer._autocast = False
 
 
+_POLICY_CLASS_NAMES = ("Policy", "DTypePolicy")  # Keras 2's, Keras 3's
+
+
+def portable_layer_config(config: dict) -> dict:
+    """Return a layer config saved by either Keras, in a form this one loads.
+
+    Keras 2 saves the dtype policy as `{"class_name": "Policy", "module":
+    "keras.mixed_precision", ...}` and Keras 3 as `{"class_name": "DTypePolicy",
+    "module": "keras", ...}`; neither loads the other's, but both load the
+    policy's name. Keras 3's `LayerNormalization` config also has
+    `rms_scaling`, which Keras 2's layer does not know: dropped when False.
+    """
+    config = dict(config)
+    dtype = config.get("dtype")
+    if isinstance(dtype, dict) and dtype.get("class_name") in _POLICY_CLASS_NAMES:
+        config["dtype"] = dtype.get("config", {}).get("name", dtype)
+    if not IS_KERAS_3 and "rms_scaling" in config:
+        if config["rms_scaling"]:
+            raise ValueError(
+                "This LayerNormalization config uses Keras 3's `rms_scaling=True`, "
+                "which Keras 2.15 does not have. Load it with Keras 3, or save it "
+                "with rms_scaling=False. Received: rms_scaling=True"
+            )
+        config.pop("rms_scaling")
+    return config
+
+
 def set_layer_policy(layer, policy) -> None:
     """Give a built layer another dtype policy (its variables stay as they are).
 

@@ -24,13 +24,33 @@ from keras_amp_plus.engines.grappler import (
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 
 
+# The lean suite of the ITEX stack (`make test-itex`): the stack-specific tests
+# plus the layer / scaler / monitor core, written against `_compat`. The other
+# modules use Keras 3 APIs directly (`keras.config`, `keras.ops`, layer paths,
+# Keras 3's scaler attributes) and are skipped on Keras 2 with that reason.
+KERAS2_MODULES = (
+    "test_engines_itex.py",
+    "test_itex_amp.py",
+    "test_itex_configs.py",
+    "test_itex_layers.py",
+    "test_itex_loss_scale.py",
+    "test_itex_probe.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip the tests of the other stack, with the reason."""
     itex_reason = None
     for item in items:
+        if not _compat.IS_KERAS_3 and item.path.name not in KERAS2_MODULES:
+            item.add_marker(pytest.mark.keras3)
         if "keras3" in item.keywords and not _compat.IS_KERAS_3:
             item.add_marker(
-                pytest.mark.skip(reason=f"needs Keras 3; keras=={keras.__version__}")
+                pytest.mark.skip(
+                    reason="written against Keras 3 APIs; on the ITEX stack "
+                    f"(keras=={keras.__version__}) `make test-itex` runs the "
+                    "test_itex_* suite"
+                )
             )
         needs_itex = "itex" in item.keywords or "itex_bfloat16" in item.keywords
         if needs_itex and _compat.itex_module() is None:

@@ -176,6 +176,11 @@ class InstanceNormalization(keras.layers.Layer):
         """Return `input_shape`: normalization keeps the shape."""
         return input_shape
 
+    @classmethod
+    def from_config(cls, config):
+        """Create the layer from its config, as saved by Keras 3 or Keras 2."""
+        return super().from_config(_compat.portable_layer_config(config))
+
     def get_config(self):
         """Return the constructor arguments; identical before and after build."""
         serialize = {

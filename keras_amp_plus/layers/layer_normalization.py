@@ -102,6 +102,11 @@ class LayerNormalization(keras.layers.LayerNormalization):
         # does); Keras 2's base layer would round them to the compute dtype.
         _compat.disable_input_autocast(self)
 
+    @classmethod
+    def from_config(cls, config):
+        """Create the layer from its config, as saved by Keras 3 or Keras 2."""
+        return super().from_config(_compat.portable_layer_config(config))
+
     def build(self, input_shape):
         """Check the axes against the input, then create `gamma` and `beta`."""
         axes = self.axis if isinstance(self.axis, list) else [self.axis]

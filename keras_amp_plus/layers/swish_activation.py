@@ -161,6 +161,11 @@ class Swish(keras.layers.Layer):
         """Return `input_shape`: the activation keeps the shape."""
         return input_shape
 
+    @classmethod
+    def from_config(cls, config):
+        """Create the layer from its config, as saved by Keras 3 or Keras 2."""
+        return super().from_config(_compat.portable_layer_config(config))
+
     def get_config(self):
         """Return `beta` (the initial value) and `trainable_beta`."""
         config = {"beta": self.initial_beta, "trainable_beta": self.trainable_beta}

@@ -471,6 +471,13 @@ def current_loss_scale(optimizer):
     return optimizer.loss_scale
 
 
+def is_compiled(model) -> bool:
+    """Return whether `model.compile` ran (Keras 2 keeps it private)."""
+    if IS_KERAS_3:
+        return bool(getattr(model, "compiled", False))
+    return bool(getattr(model, "_is_compiled", False))
+
+
 def optimizer_built(optimizer) -> bool:
     """Return whether an optimizer created its variables.
 

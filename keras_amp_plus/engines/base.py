@@ -13,6 +13,7 @@ import warnings
 
 import keras
 
+from keras_amp_plus import _compat
 from keras_amp_plus.engines.op_types import op_types_for_layer
 
 if typing.TYPE_CHECKING:  # policy.py imports this package
@@ -26,7 +27,7 @@ def rebuild_functions(model: keras.Model) -> None:
         model: a compiled Keras model (an uncompiled model has no train
             function; only existing test/predict functions are rebuilt then).
     """
-    if getattr(model, "compiled", False) or model.train_function is not None:
+    if _compat.is_compiled(model) or model.train_function is not None:
         model.make_train_function(force=True)
     if model.test_function is not None:
         model.make_test_function(force=True)

@@ -237,3 +237,31 @@ def test_engine_refuses_before_the_first_step_when_bfloat16_kernels_abort(
     for before_weight, after in zip(weights, model.get_weights(), strict=True):
         np.testing.assert_array_equal(before_weight, after)
     assert itex.get_config().SerializeToString() == before
+
+
+class ConflictingConfig(keras.callbacks.Callback):
+    """Puts MatMul into ITEX's infer list too, behind AMPMonitor's back."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        itex = _compat.itex_module()
+        config = itex.get_config()
+        config.graph_options.auto_mixed_precision_options.inferlist_add = "MatMul"
+        itex.set_config(config)
+        self.model.make_train_function(force=True)
+
+
+@pytest.mark.itex_bfloat16
+def test_amp_monitor_notices_a_rewrite_that_did_not_happen(itex_log_dir):
+    model = transformer()
+    x, y = data()
+    monitor = kap.callbacks.AMPMonitor(None, engine="itex")
+    with pytest.warns(UserWarning, match="ITEX did not rewrite"):
+        model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=1,
+            verbose=0,
+            callbacks=[monitor, ConflictingConfig()],
+        )
+    assert itex_log.count_rewrites(itex_log_dir) == 0

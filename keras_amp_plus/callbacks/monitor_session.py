@@ -143,6 +143,11 @@ class MonitorSession:
 
     def report_epoch(self, epoch, events, steps, per_layer) -> None:
         """Write the per-epoch scalars and log a summary line."""
+        # The ITEX engine reads its rewrite log (when one is set) to notice a
+        # rewrite that silently did not happen.
+        check_rewrites = getattr(self.engine, "check_rewrites", None)
+        if check_rewrites is not None:
+            check_rewrites()
         state = self.monitor.state
         seen = state.adaptation.setdefault("overflowed_layers", [])
         seen.extend(layer for layer in sorted(per_layer) if layer not in seen)

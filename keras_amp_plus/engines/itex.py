@@ -254,7 +254,10 @@ class ItexEngine(Engine):
         """Read ITEX's rewrite log since the last `apply`; warn if nothing ran.
 
         Needs `ITEX_AUTO_MIXED_PRECISION_LOG_PATH` (an existing directory);
-        without it this returns `[]`. Call it after at least one step. An op
+        without it this returns `[]`. Call it after at least one step; it checks
+        once per `apply` (TF optimizes a function once, so later steps add no
+        dumps) and returns `[]` until the next `apply`. `AMPMonitor` calls it at
+        the end of every epoch. An op
         type in two lists makes ITEX fail its pass before dumping anything
         ("Op lists have conflicting entries") and the graph stays float32: a
         rebuilt, stepped model with no new dump is reported with a warning.
@@ -266,6 +269,7 @@ class ItexEngine(Engine):
         if self._rewrites_at_apply is None or not log_dir:
             return []
         records = itex_log.read_rewrites(log_dir, since=self._rewrites_at_apply)
+        self._rewrites_at_apply = None
         for record in records:
             conflicts = itex_log.conflicting_ops(record["lists"])
             if conflicts:

@@ -60,10 +60,13 @@ def test_auto_without_itex(policy, layer_dtype, expected):
     assert resolve_engine("auto", model).name == expected
 
 
-def test_auto_prefers_itex_when_it_imports(monkeypatch):
+def test_auto_prefers_itex_for_float32_models_when_it_imports(monkeypatch):
     monkeypatch.setattr(_compat, "itex_module", lambda: object())
-    keras.config.set_dtype_policy("mixed_bfloat16")
     assert resolve_engine("auto", _model()).name == "itex"
+    # A mixed-policy model's precision is decided by its Keras policies: ITEX's
+    # op lists cannot put a float16 layer back into float32, the keras engine can.
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    assert resolve_engine("auto", _model()).name == "keras"
 
 
 def test_engines_share_the_op_type_mapping():

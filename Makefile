@@ -1,17 +1,32 @@
 # Two commands for a fresh machine: `make demo` and `make test`.
 # Each creates the virtual environment it needs when it is missing.
+# `make test-itex` runs the lean ITEX-stack suite (TensorFlow 2.15 + Keras 2.15 +
+# Intel Extension for TensorFlow) in a second environment, .venv-itex.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+ITEX_PYTHON ?= python3.11
+ITEX_VENV ?= .venv-itex
+ITEX_PY := $(ITEX_VENV)/bin/python
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test lint bench bench-quick doctor clean screenshot
+.PHONY: demo test test-itex lint bench bench-quick bench-itex doctor clean screenshot
 
 $(PY): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(PY)
+
+# ITEX pins Keras 2, so this stack gets its own environment; the package is
+# installed without dependencies (its own list names the Keras 3 stack).
+$(ITEX_PY): pyproject.toml constraints-itex.txt
+	$(ITEX_PYTHON) -m venv $(ITEX_VENV)
+	$(ITEX_PY) -m pip install --quiet --upgrade pip
+	$(ITEX_PY) -m pip install --quiet -c constraints-itex.txt \
+		"intel-extension-for-tensorflow[cpu]" tensorflow keras pytest
+	$(ITEX_PY) -m pip install --quiet --no-deps -e .
+	touch $(ITEX_PY)
 
 demo: $(PY)
 	$(PY) -m keras_amp_plus demo --log-dir logs/demo
@@ -24,6 +39,14 @@ test: $(PY)
 
 BENCHMARKS := benchmarks/layers.py benchmarks/training.py benchmarks/loss_scale.py \
 	benchmarks/monitor.py
+
+# The whole tests/ directory: conftest.py skips, with the reason, every module
+# written against Keras 3 APIs, so what runs is the test_itex_* suite.
+test-itex: $(ITEX_PY)
+	$(ITEX_PY) -m pytest tests
+
+bench-itex: $(ITEX_PY)
+	$(ITEX_PY) benchmarks/itex_stack.py
 
 bench: $(PY)
 	for script in $(BENCHMARKS); do $(PY) $$script || exit 1; done
@@ -42,4 +65,4 @@ doctor: $(PY)
 	$(PY) -m keras_amp_plus doctor
 
 clean:
-	rm -rf $(VENV) logs .pytest_cache
+	rm -rf $(VENV) $(ITEX_VENV) logs .pytest_cache

@@ -1,14 +1,17 @@
 """The one place that knows one Keras from another.
 
 Everything that differs between Keras 3 (stock TensorFlow >= 2.16, the primary
-stack) and Keras 2.15 (`tf.keras`, the ITEX stack that a later issue adds) lives
-here, so the rest of the package is written once against these names. Code inside
-a layer's `call` uses `tf.*` ops, which run the same under both.
+stack) and Keras 2.15 (`tf.keras`, the ITEX stack: TensorFlow 2.15 + Intel
+Extension for TensorFlow) lives here, so the rest of the package is written once
+against these names. Code inside a layer's `call` uses `tf.*` ops, which run the
+same under both. The loss scaler's Keras 2 base class is in `_compat_keras2.py`,
+imported from here only on that stack.
 
 When a private Keras or TensorFlow name is unavoidable it is reached from this
 module only, with a comment saying why.
 """
 
+import functools
 import os
 
 import keras
@@ -17,12 +20,17 @@ import tensorflow as tf
 KERAS_MAJOR = int(keras.__version__.split(".")[0])
 IS_KERAS_3 = KERAS_MAJOR >= 3
 
-if not IS_KERAS_3:  # pragma: no cover - the ITEX-stack issue fills this in.
+if KERAS_MAJOR < 2 or (KERAS_MAJOR == 2 and keras.__version__ < "2.15"):
     raise ImportError(
-        "keras_amp_plus needs Keras 3 with the TensorFlow backend. "
-        f"Received: keras=={keras.__version__}. Keras 2 (the ITEX stack) is not "
-        "supported yet; install `keras>=3.3`."
+        "keras_amp_plus needs Keras 3 (TensorFlow >= 2.16) or, on the ITEX stack, "
+        "Keras 2.15 with TensorFlow 2.15. Install `keras>=3.3`, or see the README's "
+        f"ITEX section. Received: keras=={keras.__version__}"
     )
+
+
+# `compile(jit_compile=...)`'s default: Keras 3 resolves "auto" itself; Keras 2
+# takes None (XLA off unless the model asks for it).
+JIT_COMPILE_DEFAULT = "auto" if IS_KERAS_3 else None
 
 
 def check_tensorflow_backend() -> None:
@@ -43,35 +51,123 @@ check_tensorflow_backend()
 
 def dtype_policy(name):
     """Return the Keras dtype policy object for a policy name or policy."""
-    return keras.dtype_policies.get(name)
+    if IS_KERAS_3:
+        return keras.dtype_policies.get(name)
+    if isinstance(name, keras.mixed_precision.Policy):
+        return name
+    return keras.mixed_precision.Policy(name)
 
 
 def global_policy():
     """Return the global Keras dtype policy."""
-    return keras.config.dtype_policy()
+    if IS_KERAS_3:
+        return keras.config.dtype_policy()
+    return keras.mixed_precision.global_policy()
 
 
 def set_global_policy(policy) -> None:
     """Set the global Keras dtype policy."""
-    keras.config.set_dtype_policy(policy)
+    if IS_KERAS_3:
+        keras.config.set_dtype_policy(policy)
+    else:
+        keras.mixed_precision.set_global_policy(policy)
+
+
+def standardize_dtype(dtype) -> str:
+    """Return a dtype's name ("float32", "bfloat16", ...) for any dtype spelling."""
+    if IS_KERAS_3:
+        return keras.backend.standardize_dtype(dtype)
+    return tf.as_dtype(dtype).name
 
 
 def layer_path(layer) -> str:
-    """Return the layer's unique path (Keras 3 `Layer.path`)."""
-    return layer.path
+    """Return the layer's unique path (Keras 3 `Layer.path`).
+
+    Keras 2 has no paths; a layer's name is unique inside its model there.
+    """
+    return layer.path if IS_KERAS_3 else layer.name
 
 
 def variable_path(variable) -> str:
-    """Return the variable's unique path (Keras 3 `Variable.path`)."""
-    return variable.path
+    """Return the variable's unique path (Keras 3 `Variable.path`).
+
+    Keras 2 variables have TF names such as "dense/kernel:0": the output index
+    is dropped so the path reads like Keras 3's "dense/kernel".
+    """
+    if IS_KERAS_3:
+        return variable.path
+    name = variable.name
+    return name[:-2] if name.endswith(":0") else name
+
+
+def no_autocast() -> dict:
+    """Return the `add_weight` keyword that keeps a weight out of autocasting.
+
+    Mixed-precision layers keep gamma/beta-like weights in float32 and do their
+    own casting; Keras 3 spells that `autocast=False`, Keras 2
+    `experimental_autocast=False`.
+    """
+    return {"autocast": False} if IS_KERAS_3 else {"experimental_autocast": False}
+
+
+def disable_input_autocast(layer) -> None:
+    """Stop the base layer from casting the inputs to the compute dtype.
+
+    Keras 3's public attribute is `autocast`; Keras 2 reads the private
+    `_autocast` (there is no public switch).
+    """
+    if IS_KERAS_3:
+        layer.autocast = False
+    else:
+        layer._autocast = False
+
+
+_POLICY_CLASS_NAMES = ("Policy", "DTypePolicy")  # Keras 2's, Keras 3's
+
+
+def portable_layer_config(config: dict) -> dict:
+    """Return a layer config saved by either Keras, in a form this one loads.
+
+    Keras 2 saves the dtype policy as `{"class_name": "Policy", "module":
+    "keras.mixed_precision", ...}` and Keras 3 as `{"class_name": "DTypePolicy",
+    "module": "keras", ...}`; neither loads the other's, but both load the
+    policy's name. Keras 3's `LayerNormalization` config also has
+    `rms_scaling`, which Keras 2's layer does not know: dropped when False.
+    """
+    config = dict(config)
+    dtype = config.get("dtype")
+    if isinstance(dtype, dict) and dtype.get("class_name") in _POLICY_CLASS_NAMES:
+        config["dtype"] = dtype.get("config", {}).get("name", dtype)
+    if not IS_KERAS_3 and "rms_scaling" in config:
+        if config["rms_scaling"]:
+            raise ValueError(
+                "This LayerNormalization config uses Keras 3's `rms_scaling=True`, "
+                "which Keras 2.15 does not have. Load it with Keras 3, or save it "
+                "with rms_scaling=False. Received: rms_scaling=True"
+            )
+        config.pop("rms_scaling")
+    return config
+
+
+def set_layer_policy(layer, policy) -> None:
+    """Give a built layer another dtype policy (its variables stay as they are).
+
+    Keras 3 has a public setter; Keras 2's `dtype_policy` is read-only and its
+    own constructor goes through the private `_set_dtype_policy`.
+    """
+    if IS_KERAS_3:
+        layer.dtype_policy = policy
+    else:
+        layer._set_dtype_policy(policy)
+
+
+def uses_rms_scaling(layer) -> bool:
+    """Return Keras 3's deprecated `LayerNormalization.rms_scaling` (Keras 2: no)."""
+    return bool(getattr(layer, "rms_scaling", False))
 
 
 def add_float32_weight(layer, name, shape, initializer, regularizer, constraint):
-    """Add a trainable float32 weight that is never autocast to the compute dtype.
-
-    Mixed-precision layers keep gamma/beta-like weights in float32 and do their
-    own casting; Keras 3 spells that `autocast=False`.
-    """
+    """Add a trainable float32 weight that is never autocast to the compute dtype."""
     return layer.add_weight(
         name=name,
         shape=shape,
@@ -79,8 +175,8 @@ def add_float32_weight(layer, name, shape, initializer, regularizer, constraint)
         regularizer=regularizer,
         constraint=constraint,
         dtype="float32",
-        autocast=False,
         trainable=True,
+        **no_autocast(),
     )
 
 
@@ -89,11 +185,13 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+@functools.cache
 def itex_module():
     """Return `intel_extension_for_tensorflow` when importable, else None.
 
     ITEX imports Keras 2 internals, so on the Keras 3 stack the import fails even
-    when the wheel is present; both cases mean "no ITEX here".
+    when the wheel is present; both cases mean "no ITEX here". Cached: a failed
+    import would otherwise be retried at every layer call.
     """
     try:
         import intel_extension_for_tensorflow as itex
@@ -193,15 +291,22 @@ def call_for_each_replica(strategy, fn, args):
     return strategy.extended.call_for_each_replica(fn, args=args)
 
 
-def itex_layer_norm_op():
+ITEX_LAYER_NORM_DTYPES = (tf.float32, tf.bfloat16, tf.float16)
+
+
+def itex_layer_norm_op(input_dtype=tf.float32):
     """Return ITEX's fused layer-norm op (`itex_layer_norm`), or None.
 
     ITEX publishes the kernel only inside `itex.ops.LayerNormalization`, a
     tf.keras (Keras 2) layer; the raw op lives in ITEX's private
     `load_ops_library` module, reached from here so no other module touches it.
-    Its gradient is registered when ITEX is imported.
+    Its gradient is registered when ITEX is imported. None as well for inputs
+    the kernel has no version for (float64) and inside XLA-compiled functions
+    (XLA cannot compile ITEX's custom op).
     """
-    if itex_module() is None:
+    if tf.as_dtype(input_dtype) not in ITEX_LAYER_NORM_DTYPES:
+        return None
+    if itex_module() is None or in_xla_compiled_function():
         return None
     try:  # pragma: no cover - needs the ITEX stack
         from intel_extension_for_tensorflow.python.ops.load_ops_library import (
@@ -221,6 +326,8 @@ def register_activation_name(name: str, function) -> None:
     accepted in configs (dict form) but not as a plain string. Built-in names
     are never replaced.
     """
+    if not IS_KERAS_3:
+        return  # Keras 2's `activations.get` looks registered names up itself.
     from keras.src import activations as keras_activations
 
     keras_activations.ALL_OBJECTS_DICT.setdefault(name, function)
@@ -239,3 +346,196 @@ def in_xla_compiled_function() -> bool:
 
     graph = tf.compat.v1.get_default_graph()
     return control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+# --- The loss scaler's base class -------------------------------------------
+# Keras 3: `keras.optimizers.LossScaleOptimizer`, subclassed as is. Keras 2.15:
+# the exported `tf.keras.mixed_precision.LossScaleOptimizer` is a metaclass
+# dispatcher; new-style optimizers get `LossScaleOptimizerV3`, reachable only
+# from `keras.src` (hence here). `Keras2LossScaleBase` gives it the Keras 3
+# surface our scaler is written against: `apply(grads, variables)`,
+# `scale_loss`, `add_variable(..., aggregation=...)`, `dynamic_scale`,
+# `step_counter`; `minimize`/`apply_gradients` (what Keras 2's `fit` calls)
+# route into `apply`.
+
+
+def _make_keras2_loss_scale_base():
+    from keras.src.mixed_precision.loss_scale_optimizer import LossScaleOptimizerV3
+
+    class Keras2LossScaleBase(LossScaleOptimizerV3):
+        """`LossScaleOptimizerV3` with the Keras 3 scaler's method names."""
+
+        # As in Keras's own constructor: the scaler delegates its tracking to
+        # the inner optimizer, so plain attributes must not become children.
+        @tf.__internal__.tracking.no_automatic_dependency_tracking
+        def __init__(
+            self,
+            inner_optimizer,
+            initial_scale=2.0**15,
+            dynamic_growth_steps=2000,
+            name=None,
+            dynamic=True,
+            **kwargs,
+        ):
+            if dynamic is not True:
+                raise ValueError(
+                    "keras_amp_plus's LossScaleOptimizer is always dynamic; for a "
+                    "fixed scale pass min_scale == max_scale == initial_scale. "
+                    f"Received: dynamic={dynamic!r}"
+                )
+            if kwargs:
+                raise TypeError(f"Unexpected keyword arguments: {sorted(kwargs)}")
+            super().__init__(
+                inner_optimizer,
+                dynamic=True,
+                initial_scale=initial_scale,
+                dynamic_growth_steps=dynamic_growth_steps,
+            )
+            self.name = name or "loss_scale_optimizer"
+            self.built = False
+            self._own_variables = []
+
+        def build(self, var_list):
+            super().build(var_list)
+            self.built = True  # as Keras 3's optimizers say it
+
+        @property
+        def dynamic_scale(self):
+            return self._loss_scale.current_loss_scale
+
+        @property
+        def step_counter(self):
+            return self._loss_scale.counter
+
+        @property
+        def variables(self):
+            # Keras 2's scaler saves only the inner optimizer's variables in
+            # `.keras` files; Keras 3's also saves the scale and the records.
+            own = [self.dynamic_scale, self.step_counter, *self._own_variables]
+            return [*self._optimizer.variables, *own]
+
+        def add_variable(
+            self, shape, dtype=None, initializer="zeros", aggregation=None, name=None
+        ):
+            variable = tf.Variable(
+                keras.initializers.get(initializer)(shape, dtype),
+                name=name,
+                trainable=False,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+            # Checkpoints reach the scaler through the inner optimizer (Keras
+            # 2's scaler delegates its tracking there).
+            self._track_trackable(variable, name, overwrite=True)
+            self._own_variables.append(variable)
+            return variable
+
+        def scale_loss(self, loss):
+            return loss * tf.cast(self.dynamic_scale, loss.dtype)
+
+        def get_scaled_loss(self, loss):
+            self._loss_has_been_scaled = True
+            if callable(loss):
+                return lambda: self.scale_loss(loss())
+            return self.scale_loss(loss)
+
+        def get_unscaled_gradients(self, grads):
+            # `apply` unscales (and skips non-finite steps) itself.
+            self._gradients_have_been_unscaled = True
+            return list(grads)
+
+        def apply_gradients(
+            self, grads_and_vars, skip_gradients_aggregation=False, **kwargs
+        ):
+            grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+            aggregate = kwargs.pop("experimental_aggregate_gradients", True)
+            if (
+                tf.distribute.has_strategy()
+                and aggregate
+                and not skip_gradients_aggregation
+            ):
+                # Every replica must see the same (possibly non-finite)
+                # gradients to take the same branch.
+                grads_and_vars = self._optimizer.aggregate_gradients(grads_and_vars)
+            grads = [g for g, _ in grads_and_vars]
+            variables = [v for _, v in grads_and_vars]
+            return self.apply(grads, variables)
+
+    return Keras2LossScaleBase
+
+
+if IS_KERAS_3:
+    LossScaleOptimizerBase = keras.optimizers.LossScaleOptimizer
+    KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+else:
+    LossScaleOptimizerBase = _make_keras2_loss_scale_base()
+    KerasLossScaleOptimizer = (
+        keras.mixed_precision.LossScaleOptimizer,
+        LossScaleOptimizerBase.__mro__[1],
+    )
+
+
+def current_loss_scale(optimizer):
+    """Return a Keras (or our) loss scaler's current scale (variable or tensor).
+
+    Keras 3 keeps it in `dynamic_scale`; Keras 2's `LossScaleOptimizerV3`
+    exposes it as `loss_scale` (our scaler has both on Keras 2).
+    """
+    if IS_KERAS_3:
+        return optimizer.dynamic_scale
+    return optimizer.loss_scale
+
+
+def is_compiled(model) -> bool:
+    """Return whether `model.compile` ran (Keras 2 keeps it private)."""
+    if IS_KERAS_3:
+        return bool(getattr(model, "compiled", False))
+    return bool(getattr(model, "_is_compiled", False))
+
+
+def optimizer_built(optimizer) -> bool:
+    """Return whether an optimizer created its variables.
+
+    Keras 3 says so in `built`; Keras 2's optimizers set the private `_built`
+    in their `build` (our scaler sets both).
+    """
+    if IS_KERAS_3:
+        return optimizer.built
+    return bool(
+        getattr(optimizer, "built", False) or getattr(optimizer, "_built", False)
+    )
+
+
+def optimizer_build_scope(optimizer):
+    """Return the context the scaler builds its variables in.
+
+    Keras 3 names them under the optimizer (`keras.name_scope`); Keras 2 lifts
+    variable creation out of the traced train step (`tf.init_scope`), as its
+    own `apply_gradients` does.
+    """
+    if IS_KERAS_3:
+        return keras.name_scope(optimizer.name, caller=optimizer)
+    return tf.init_scope()
+
+
+def apply_inner(inner_optimizer, grads, variables) -> None:
+    """Let the inner optimizer apply `grads` (already unscaled) to `variables`."""
+    if IS_KERAS_3:
+        inner_optimizer.apply(grads, trainable_variables=variables)
+    else:
+        # Gradients were aggregated across replicas before the finiteness check.
+        inner_optimizer.apply_gradients(
+            list(zip(grads, variables, strict=True)), skip_gradients_aggregation=True
+        )
+
+
+def divide(gradient, scale):
+    """Return `gradient / scale` (dense or `tf.IndexedSlices`)."""
+    if IS_KERAS_3:
+        return keras.ops.divide(gradient, scale)
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            gradient.values / tf.cast(scale, gradient.values.dtype),
+            gradient.indices,
+            gradient.dense_shape,
+        )
+    return gradient / tf.cast(scale, gradient.dtype)

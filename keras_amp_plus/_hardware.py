@@ -256,6 +256,23 @@ def write_cached_speedup(path: str, speedup: float | None) -> None:
         pass
 
 
+def _itex_bfloat16_refusal() -> str | None:
+    """Return why ITEX's bfloat16 kernels cannot run here, or None.
+
+    Only where ITEX imports; the answer comes from a cached subprocess probe.
+    """
+    from keras_amp_plus import _compat
+
+    if _compat.itex_module() is None:
+        return None
+    from keras_amp_plus import _itex_probe
+
+    status = _itex_probe.itex_bfloat16_status()
+    if status["works"]:
+        return None
+    return f"ITEX's bfloat16 kernels abort the process here ({status['reason']})"
+
+
 def bfloat16_outlook(probe: dict | None = None, measure: bool = True) -> dict:
     """Return the bfloat16 verdict for this machine (see the module docstring).
 
@@ -275,6 +292,16 @@ def bfloat16_outlook(probe: dict | None = None, measure: bool = True) -> dict:
     from keras_amp_plus import _compat
 
     facts, onednn = cpu_facts(), _compat.onednn_enabled()
+    itex_refusal = _itex_bfloat16_refusal()
+    if itex_refusal is not None:
+        # With ITEX loaded an in-process bfloat16 MatMul would abort Python.
+        return {
+            "verdict": "slower",
+            "speedup": None,
+            "reason": itex_refusal,
+            "cpu": facts,
+            "onednn": onednn,
+        }
     path = _probe_cache_path(facts, tf.__version__, onednn)
     speedup = None
     if probe is not None:

@@ -1,5 +1,11 @@
 """Shared fixtures: every test leaves global state as it found it.
 
+Stack markers: `keras3` tests need Keras 3 (stock TensorFlow >= 2.16); `itex`
+tests need the ITEX stack (TensorFlow 2.15 + Keras 2.15 + Intel Extension for
+TensorFlow); `itex_bfloat16` tests also need ITEX's bfloat16 kernels, which a
+subprocess probe checks (on CPUs without AVX512 the first bfloat16 MatMul
+aborts the process). Each is skipped elsewhere with the reason.
+
 Tests marked `onednn` need TensorFlow's oneDNN kernels (the grappler bfloat16
 rewrite does nothing without them). oneDNN is read once, when TensorFlow is
 imported, and is off by default on CPUs without AVX512 (or with
@@ -52,12 +58,68 @@ def run_python(code: str, timeout: float = 300, **environment) -> str:
     return done.stdout
 
 
+# The lean suite of the ITEX stack (`make test-itex`): the stack-specific tests
+# plus the layer / scaler / monitor core, written against `_compat`. The other
+# modules use Keras 3 APIs directly (`keras.config`, `keras.ops`, layer paths,
+# Keras 3's scaler attributes) and are skipped on Keras 2 with that reason.
+KERAS2_MODULES = (
+    "test_engines_itex.py",
+    "test_itex_amp.py",
+    "test_itex_configs.py",
+    "test_itex_layers.py",
+    "test_itex_loss_scale.py",
+    "test_itex_probe.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    _skip_the_other_stack(items)
+    _delegate_onednn_tests(config, items)
+
+
+def _skip_the_other_stack(items):
+    """Skip the tests of the other stack, with the reason."""
+    itex_reason = None
+    for item in items:
+        if not _compat.IS_KERAS_3 and item.path.name not in KERAS2_MODULES:
+            item.add_marker(pytest.mark.keras3)
+        if "keras3" in item.keywords and not _compat.IS_KERAS_3:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="written against Keras 3 APIs; on the ITEX stack "
+                    f"(keras=={keras.__version__}) `make test-itex` runs the "
+                    "test_itex_* suite"
+                )
+            )
+        needs_itex = "itex" in item.keywords or "itex_bfloat16" in item.keywords
+        if needs_itex and _compat.itex_module() is None:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="needs Intel Extension for TensorFlow (the ITEX "
+                    "stack: `make test-itex`)"
+                )
+            )
+            continue
+        if "itex_bfloat16" in item.keywords:
+            if itex_reason is None:
+                from keras_amp_plus import _itex_probe
+
+                status = _itex_probe.itex_bfloat16_status()
+                itex_reason = "" if status["works"] else status["reason"]
+            if itex_reason:
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"ITEX bfloat16 kernels do not work here: {itex_reason}"
+                    )
+                )
+
+
 @pytest.fixture(autouse=True)
 def restore_keras_state():
     """Reset the global dtype policy and the Keras session after each test."""
-    policy = keras.config.dtype_policy()
+    policy = _compat.global_policy()
     yield
-    keras.config.set_dtype_policy(policy)
+    _compat.set_global_policy(policy)
     keras.backend.clear_session()
 
 
@@ -69,15 +131,20 @@ def restore_grappler_state():
     put_back_global_state(*state)
 
 
+@pytest.fixture(autouse=True)
+def restore_itex_config():
+    """ITEX's config is process-global: put it back after every test."""
+    itex = _compat.itex_module()
+    if itex is None:
+        yield
+        return
+    saved = type(itex.get_config())()
+    saved.CopyFrom(itex.get_config())
+    yield
+    itex.set_config(saved)
+
+
 # -- running `onednn` tests in a subprocess when this process has it off -------
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        "onednn: needs TensorFlow's oneDNN kernels (run in a subprocess with "
-        "TF_ENABLE_ONEDNN_OPTS=1 when this process has them off)",
-    )
-
-
 def pytest_runtest_logreport(report):
     """In a delegated subprocess, write each phase's outcome for the parent."""
     path = os.environ.get(RESULTS_VARIABLE)
@@ -149,7 +216,8 @@ def _run_delegated(item, runner):
             pytest.skip(record["text"] or "skipped in the oneDNN subprocess")
 
 
-def pytest_collection_modifyitems(config, items):
+def _delegate_onednn_tests(config, items):
+    """With oneDNN off here, run `onednn` tests in a subprocess with it on."""
     if ONEDNN_ON or os.environ.get(RESULTS_VARIABLE):
         return
     by_module = {}

@@ -86,6 +86,10 @@ def test_itex_auto_mixed_precision_env_asks_for_itex(monkeypatch):
     monkeypatch.setattr(_compat, "itex_module", lambda: object())
     monkeypatch.setenv("ITEX_AUTO_MIXED_PRECISION", "1")
     assert resolve_engine("auto", _model()).name == "itex"
+    # A mixed-policy model's precision is decided by its Keras policies: ITEX's
+    # op lists cannot put a float16 layer back into float32, the keras engine can.
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    assert resolve_engine("auto", _model()).name == "keras"
 
 
 @pytest.mark.parametrize("engine", ["xla", 42, None, ""])

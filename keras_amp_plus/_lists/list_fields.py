@@ -14,6 +14,7 @@ Op types the placements do not mention keep the user's base setting.
 
 import warnings
 
+from keras_amp_plus import _compat
 from keras_amp_plus._lists import layer_names
 from keras_amp_plus._lists.op_types import op_types_for_layer
 
@@ -75,7 +76,7 @@ def _layer_placements(model, lists) -> dict:
         layer_op_types = op_types_for_layer(layer)
         # Only warn for layers named outright: a regex such as ".*" reaching
         # Flatten or Dropout is not a mistake.
-        named = {layer.name, layer.path, type(layer).__name__} & entries
+        named = {layer.name, _compat.layer_path(layer), type(layer).__name__} & entries
         if named and not layer_op_types:
             warnings.warn(
                 f"Layer {layer.name!r} ({type(layer).__name__}) has no op-type "

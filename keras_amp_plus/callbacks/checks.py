@@ -123,7 +123,9 @@ def check_fit_setup(monitor, model):
     engine = resolve_engine(monitor.engine, model, monitor.lists)
     if engine.name == "itex":
         require_itex()  # fail now, not at the first list change
-    engine.check_available(model)  # e.g. grappler with oneDNN off
+    # Fail now, not mid-fit: grappler with oneDNN off, ITEX whose bfloat16
+    # kernels would abort the process.
+    engine.check_available(model)
     engine.check_lists(monitor.lists)
     monitor.lists.matching_layers(model)
     warn_once_if_bfloat16_is_slow(model)

@@ -6,6 +6,7 @@
 
 import logging
 
+from keras_amp_plus import _compat
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import checks
 from keras_amp_plus.callbacks import state as state_module
@@ -71,7 +72,7 @@ class MonitorSession:
         self.model = model
         self.engine = checks.check_fit_setup(monitor, model)
         optimizer = model.optimizer
-        if not optimizer.built:
+        if not _compat.optimizer_built(optimizer):
             # The scaler's variables are read by the wrapped step from its
             # first trace on; `BackupAndRestore` builds it the same way.
             optimizer.build(model.trainable_variables)
@@ -269,7 +270,7 @@ class MonitorSession:
         """Return the current loss scale, or None without a scaler."""
         if self.recorder.kind == SCALER_NONE:
             return None
-        return float(self.model.optimizer.dynamic_scale.numpy())
+        return float(_compat.current_loss_scale(self.model.optimizer).numpy())
 
     def report_epoch(self, epoch, events, steps, evidence) -> None:
         """Write the per-epoch scalars and log what the scaler and layers did.
@@ -278,6 +279,9 @@ class MonitorSession:
         scale; backward overflows above `trusted_backward_scale` are the
         scaler still searching for its scale and are reported as that.
         """
+        # The ITEX engine reads its rewrite log (when one is set) to notice a
+        # rewrite that silently did not happen.
+        self.engine.check_rewrites()
         state = self.monitor.state
         seen = state.adaptation.setdefault("overflowed_layers", [])
         seen.extend(layer for layer in sorted(evidence) if layer not in seen)

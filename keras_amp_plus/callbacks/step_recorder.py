@@ -42,7 +42,7 @@ def scaler_kind(optimizer) -> str:
     """Return which loss scaler wraps `optimizer`: ours, Keras's own, or none."""
     if isinstance(optimizer, LossScaleOptimizer):
         return SCALER_KAP
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    if isinstance(optimizer, _compat.KerasLossScaleOptimizer):
         return SCALER_KERAS
     return SCALER_NONE
 
@@ -189,7 +189,8 @@ class StepRecorder:
     def _read_scale(self):
         if self.kind == SCALER_NONE:
             return tf.constant(float("nan"), tf.float32)
-        return tf.identity(tf.cast(self.optimizer.dynamic_scale, tf.float32))
+        scale = _compat.current_loss_scale(self.optimizer)
+        return tf.identity(tf.cast(scale, tf.float32))
 
     def _metric_variables(self):
         return [v for metric in self.model.metrics for v in metric.variables]

@@ -48,8 +48,13 @@ def stack_problems() -> list:
 
 
 def itex_status() -> dict:
-    """Return ITEX's installed version (or None) and whether it imports here."""
-    from keras_amp_plus import _compat
+    """Return ITEX's version (or None), whether it imports, and its bfloat16 state.
+
+    Where ITEX imports, `"bfloat16"` holds the subprocess probe's answer
+    (`keras_amp_plus.itex_probe`): `{"works", "backend", "reason"}`; on ITEX's
+    AVX2 CPU backend the first bfloat16 MatMul aborts the process.
+    """
+    from keras_amp_plus import _compat, _itex_probe
 
     version = None
     for distribution in ITEX_DISTRIBUTIONS:
@@ -60,7 +65,23 @@ def itex_status() -> dict:
             continue
     # Importing ITEX loads its kernels: only try when it is installed at all.
     importable = version is not None and _compat.itex_module() is not None
-    return {"version": version, "importable": importable}
+    status = {"version": version, "importable": importable}
+    if importable:
+        status["bfloat16"] = _itex_probe.itex_bfloat16_status()
+    return status
+
+
+def probe_dtypes(itex: dict) -> tuple:
+    """Return the dtypes the in-process matmul probe may run.
+
+    With ITEX loaded its kernels run every MatMul; where its bfloat16 kernels
+    abort the process, only float32 is measured.
+    """
+    if itex.get("importable") and not itex.get("bfloat16", {}).get("works", True):
+        return ("float32",)
+    from keras_amp_plus import _matmul_probe
+
+    return _matmul_probe.DEFAULT_DTYPES
 
 
 def versions() -> dict:
@@ -113,8 +134,10 @@ def fit_xla_status() -> dict:
     """
     import keras
 
+    from keras_amp_plus import _compat
+
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse", jit_compile="auto")
+    model.compile(optimizer="sgd", loss="mse", jit_compile=_compat.JIT_COMPILE_DEFAULT)
     return {"jit_compile": bool(model.jit_compile)}
 
 
@@ -134,13 +157,16 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
     """
     from keras_amp_plus import _matmul_probe
 
+    stack = versions()
     facts = {
-        "versions": versions(),
+        "versions": stack,
         "onednn": onednn_status(),
         "cpu": cpu_status(),
         "devices": device_list(),
         "xla": fit_xla_status(),
-        "probe": _matmul_probe.probe_matmul_throughput(probe_seconds, probe_size),
+        "probe": _matmul_probe.probe_matmul_throughput(
+            probe_seconds, probe_size, dtypes=probe_dtypes(stack["itex"])
+        ),
     }
     _hardware.bfloat16_outlook(probe=facts["probe"])  # caches the figure
     speedups = {
@@ -153,6 +179,7 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
         onednn=facts["onednn"]["enabled"],
         fit_uses_xla=facts["xla"]["jit_compile"],
         onednn_env=facts["onednn"]["TF_ENABLE_ONEDNN_OPTS"],
+        itex_bfloat16=stack["itex"].get("bfloat16"),
     )
     return facts
 

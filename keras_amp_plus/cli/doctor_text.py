@@ -12,8 +12,19 @@ def _itex_line(itex: dict) -> str:
     """Return ITEX's version and whether it can be used on this stack."""
     if itex["version"] is None:
         return "not installed"
-    usable = "importable" if itex["importable"] else "not importable on this stack"
-    return f"{itex['version']} ({usable})"
+    if not itex["importable"]:
+        return f"{itex['version']} (not importable on this stack)"
+    bfloat16 = itex.get("bfloat16")
+    if bfloat16 is None:
+        return f"{itex['version']} (importable)"
+    backend = f"{bfloat16['backend']} CPU backend" if bfloat16["backend"] else ""
+    kernels = (
+        "bfloat16 kernels work"
+        if bfloat16["works"]
+        else f"bfloat16 kernels do not work: {bfloat16['reason']}"
+    )
+    details = ", ".join(part for part in (backend, kernels) if part)
+    return f"{itex['version']} (importable; {details})"
 
 
 def _onednn_line(onednn: dict) -> str:

@@ -116,12 +116,24 @@ def _onednn_warning(features, onednn, onednn_env) -> str | None:
     return sentence
 
 
+def _itex_warning(itex_bfloat16: Mapping) -> str:
+    """Return the advice where ITEX's bfloat16 kernels abort the process."""
+    return (
+        "ITEX's bfloat16 kernels do not work on this CPU "
+        f"({itex_bfloat16.get('reason')}): with ITEX loaded every bfloat16 "
+        "MatMul would abort training. Train in float32 here, or use the "
+        "Keras 3 stack (stock TensorFlow) with AMPMonitor(engine='keras') "
+        "for mixed precision"
+    )
+
+
 def recommend(
     speedups: Mapping[str, float | None],
     features: Mapping[str, bool] | None = None,
     onednn: bool | None = None,
     fit_uses_xla: bool = False,
     onednn_env: str | None = None,
+    itex_bfloat16: Mapping | None = None,
 ) -> dict:
     """Recommend a Keras dtype policy from the machine's facts.
 
@@ -135,6 +147,8 @@ def recommend(
             `False`.
         onednn_env: the value of `TF_ENABLE_ONEDNN_OPTS` (None when unset),
             so the advice names the right fix. Defaults to `None`.
+        itex_bfloat16: on the ITEX stack, the bfloat16 probe's answer
+            (`{"works", "backend", "reason"}`). Defaults to `None` (no ITEX).
 
     Returns:
         A dict with `"policy"` (`"float32"`, `"mixed_bfloat16"` or
@@ -160,7 +174,15 @@ def recommend(
             "(grappler/ITEX op lists) does not touch XLA functions; pass "
             "jit_compile=False to compile() to use op-level lists"
         )
-    float16_note = _float16_note(float16, policy)
+    notes = [note for note in [_float16_note(float16, policy)] if note]
+    if itex_bfloat16 is not None and not itex_bfloat16.get("works"):
+        policy = "float32"
+        warnings.append(_itex_warning(itex_bfloat16))
+    elif itex_bfloat16 is not None:
+        notes.append(
+            f"ITEX's bfloat16 kernels work here ({itex_bfloat16.get('backend')} "
+            "CPU backend): AMPMonitor(engine='itex') turns on its Advanced AMP"
+        )
     return {
         "policy": policy,
         "verdict": verdict,
@@ -168,5 +190,5 @@ def recommend(
             verdict, bfloat16, float16, policy, reason, _instead(features, onednn)
         ),
         "warnings": warnings,
-        "notes": [float16_note] if float16_note else [],
+        "notes": notes,
     }

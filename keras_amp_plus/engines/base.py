@@ -13,6 +13,7 @@ import weakref
 
 import keras
 
+from keras_amp_plus import _compat
 from keras_amp_plus._lists.op_types import op_types_for_layer
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 
@@ -43,7 +44,7 @@ def rebuild_functions(model: keras.Model) -> None:
         model: a compiled Keras model (an uncompiled model has no train
             function; only existing test/predict functions are rebuilt then).
     """
-    if getattr(model, "compiled", False) or model.train_function is not None:
+    if _compat.is_compiled(model) or model.train_function is not None:
         model.make_train_function(force=True)
     if model.test_function is not None:
         model.make_test_function(force=True)
@@ -113,6 +114,14 @@ class Engine:
         remember_engine(model, self)
         if lists != PrecisionLists():
             self.apply(model, lists)
+
+    def check_rewrites(self) -> list:
+        """Return rewrites that silently did not happen, warning about them.
+
+        Called by `AMPMonitor` at each epoch end; graph engines that can read
+        their rewrite log override it (default: nothing to check).
+        """
+        return []
 
     def restore(self) -> None:
         """Put back the global state this engine changed (nothing by default)."""

@@ -7,26 +7,71 @@ makes ITEX skip the rewrite silently). A non-empty Python field wins over its
 `ITEX_AUTO_MIXED_PRECISION_*` variable, so the starting point of each field is
 the config's value, else the variable's.
 
+On CPUs, ITEX's remapper fuses MatMul/Conv ops (`_ITEXFusedMatMul`, ...)
+before the mixed-precision pass, and those fused types have list entries of
+their own: placing an op type also places its fused variants, or denying
+"MatMul" would leave every fused MatMul in bfloat16.
+
 ITEX runs on TensorFlow 2.15 + Keras 2.15 only; on the Keras 3 stack `apply`
-raises an ImportError with the install hint. The real `set_config` path is
-exercised by the ITEX-stack issue; the field builder (`itex_list_fields`) is a
-pure function tested everywhere.
+raises an ImportError with the install hint. Before training, `check_available`
+also asks a child process whether ITEX's bfloat16 kernels work on this CPU
+(`keras_amp_plus._itex_probe`): on its AVX2 backend the first bfloat16 MatMul
+aborts the process, so the engine raises first.
 """
 
 import os
+import warnings
+import weakref
 
 import keras
+import tensorflow as tf
 
 from keras_amp_plus import _compat
+from keras_amp_plus import _itex_probe as itex_probe
 from keras_amp_plus._lists.list_fields import (
     FIELD_NAMES,
+    LIST_NAMES,
     merge_list_fields,
     op_placements,
+    split_op_types,
 )
 from keras_amp_plus._lists.precision_lists import PrecisionLists
-from keras_amp_plus.engines.base import Engine, rebuild_functions, warn_if_xla
+from keras_amp_plus.engines import itex_log
+from keras_amp_plus.engines.base import (
+    Engine,
+    rebuild_functions,
+    remember_engine,
+    warn_if_xla,
+)
 
 ENV_PREFIX = "ITEX_AUTO_MIXED_PRECISION_"
+DATA_TYPES = ("BFLOAT16", "FLOAT16")
+
+# Fused op types of ITEX 2.15's CPU remapper that carry their own list entries
+# (read from its `paintbuckets_*.txt` dump), by the op type they replace.
+ITEX_FUSED_VARIANTS = {
+    "MatMul": ("_ITEXFusedMatMul", "_ITEXFusedMatMulGrad", "_ITEXFusedMatMulWithSum"),
+    "BatchMatMulV2": ("_ITEXFusedBatchMatMulV2",),
+    "Conv2D": (
+        "_ITEXFusedConv2D",
+        "_ITEXFusedConv2DWithSum",
+        "_ITEXPadWithConv2D",
+        "_ITEXPadWithFusedConv2D",
+    ),
+    "Conv2DBackpropFilter": ("_ITEXConv2DBackpropFilterWithBias",),
+    "Conv2DBackpropInput": ("_ITEXConv2DBackpropInputWithSlice",),
+    "Conv3D": (
+        "_ITEXConv3D",
+        "_ITEXFusedConv3D",
+        "_ITEXPadWithConv3D",
+        "_ITEXPadWithFusedConv3D",
+    ),
+    "DepthwiseConv2dNative": (
+        "_ITEXFusedDepthwiseConv2dNative",
+        "_ITEXPadWithDepthwiseConv2dNative",
+    ),
+}
+
 INSTALL_HINT = (
     'pip install "intel-extension-for-tensorflow[cpu]==2.15.0.0" '
     '"tensorflow==2.15.1" "keras==2.15.0"'
@@ -57,7 +102,56 @@ def itex_list_fields(current_fields, placements, environ=None) -> dict:
         field: current_fields.get(field) or environ.get(ENV_PREFIX + field.upper())
         for field in FIELD_NAMES
     }
-    return merge_list_fields(base, placements)
+    return without_conflicts(merge_list_fields(base, placements))
+
+
+def without_conflicts(fields) -> dict:
+    """Pair every op type ADDed to a list with REMOVEs from the three others.
+
+    `merge_list_fields` does this for the op types it places; this also covers
+    op types the user's own config ADDs (ITEX's default lists could hold them
+    elsewhere). An op type ADDed to two lists is an error: it would leave the
+    whole graph float32.
+
+    Example:
+    >>> fields = without_conflicts({"denylist_add": "Pow"})
+    >>> fields["allowlist_remove"], fields["inferlist_remove"]
+    ('Pow', 'Pow')
+    """
+    names = {field: split_op_types(fields.get(field)) for field in FIELD_NAMES}
+    added = {}
+    for target in LIST_NAMES:
+        for op_type in names[f"{target}list_add"]:
+            if op_type in added:
+                raise ValueError(
+                    f"Op type {op_type!r} is added to two ITEX lists ({added[op_type]} "
+                    f"and {target}); ITEX would then skip the whole rewrite. Keep "
+                    f"it in one list. Received: {added[op_type]}list_add and "
+                    f"{target}list_add both hold {op_type!r}"
+                )
+            added[op_type] = target
+    for op_type, target in added.items():
+        for name in LIST_NAMES:
+            removed = names[f"{name}list_remove"]
+            if name == target and op_type in removed:
+                removed.remove(op_type)
+            elif name != target and op_type not in removed:
+                removed.append(op_type)
+    return {field: ",".join(values) for field, values in names.items()}
+
+
+def with_fused_variants(placements) -> dict:
+    """Return `placements` plus ITEX's fused variants of each op type placed."""
+    expanded = dict(placements)
+    for op_type, target in placements.items():
+        for variant in ITEX_FUSED_VARIANTS.get(op_type, ()):
+            expanded.setdefault(variant, target)
+    return expanded
+
+
+def default_data_type() -> str:
+    """Return ITEX's own default: "FLOAT16" on an XPU, "BFLOAT16" on CPUs."""
+    return "FLOAT16" if tf.config.list_physical_devices("XPU") else "BFLOAT16"
 
 
 def require_itex():
@@ -74,26 +168,71 @@ def require_itex():
     return itex
 
 
+def require_bfloat16_kernels() -> None:
+    """Raise a RuntimeError when ITEX's bfloat16 kernels abort on this CPU."""
+    status = itex_probe.itex_bfloat16_status()
+    if not status["works"]:
+        raise RuntimeError(
+            "engine='itex' with data_type='BFLOAT16' cannot run on this CPU: "
+            f"{status['reason']}. Train in float32 (no AMPMonitor engine), or use "
+            "engine='keras' with the `mixed_bfloat16` policy, which runs on "
+            "TensorFlow's own kernels. Received: engine='itex', "
+            f"itex_backend={status['backend']!r}"
+        )
+
+
 class ItexEngine(Engine):
-    """Apply op lists (and translated layer lists) through ITEX.
+    """Switch on ITEX's Advanced AMP and apply op lists through `itex.set_config`.
 
     Args:
         data_type: ITEX's low-precision type, "BFLOAT16" or "FLOAT16".
-            Defaults to "BFLOAT16".
+            Defaults to `None`: ITEX's own default, "FLOAT16" on an Intel XPU
+            and "BFLOAT16" on CPUs (float16 on an XPU needs loss scaling: use
+            `keras_amp_plus.optimizers.LossScaleOptimizer`).
+
+    Example:
+    >>> engine = ItexEngine(data_type="BFLOAT16")
+    >>> engine.name, engine.level, engine.data_type
+    ('itex', 'op', 'BFLOAT16')
     """
 
     name = "itex"
     level = "op"
 
-    def __init__(self, data_type: str = "BFLOAT16"):
-        if data_type not in ("BFLOAT16", "FLOAT16"):
+    def __init__(self, data_type: str | None = None):
+        if data_type is not None and data_type not in DATA_TYPES:
             raise ValueError(
-                "`data_type` must be 'BFLOAT16' or 'FLOAT16'. "
-                f"Received: data_type={data_type!r}"
+                "`data_type` must be 'BFLOAT16', 'FLOAT16' or None (ITEX's "
+                f"default for the device). Received: data_type={data_type!r}"
             )
-        self.data_type = data_type
+        self.data_type = data_type or default_data_type()
         self._saved_config = None
         self._model = None
+        self._rewrites_at_apply = None
+
+    def check_available(self, model: keras.Model) -> None:
+        """Raise now (before any step) if this engine cannot run here.
+
+        Without ITEX, or where ITEX's bfloat16 kernels would abort the process
+        (its AVX2 CPU backend), found out by a subprocess probe.
+
+        Args:
+            model: the Keras model (unused).
+        """
+        del model
+        require_itex()
+        on_cpu = not tf.config.list_physical_devices("XPU")
+        if self.data_type == "BFLOAT16" and on_cpu:
+            require_bfloat16_kernels()
+
+    def start(self, model: keras.Model, lists: PrecisionLists) -> None:
+        """Switch Advanced AMP on, with `lists` (ITEX's defaults when empty).
+
+        Args:
+            model: the Keras model the lists refer to.
+            lists: a `keras_amp_plus.PrecisionLists`.
+        """
+        self.apply(model, lists)
 
     def apply(self, model: keras.Model, lists: PrecisionLists) -> None:
         """Set ITEX's AMP lists from `itex.get_config()`, then rebuild.
@@ -103,7 +242,7 @@ class ItexEngine(Engine):
             lists: a `keras_amp_plus.PrecisionLists`.
         """
         itex = require_itex()
-        placements = op_placements(model, lists)  # raises before any change
+        placements = with_fused_variants(op_placements(model, lists))
         warn_if_xla(model, self.name)
         config = itex.get_config()
         before = type(config)()
@@ -111,8 +250,9 @@ class ItexEngine(Engine):
         saved = before if self._saved_config is None else self._saved_config
         saved_amp = saved.graph_options.auto_mixed_precision_options
         saved_fields = {field: getattr(saved_amp, field) for field in FIELD_NAMES}
+        fields = itex_list_fields(saved_fields, placements)  # raises on conflicts
         amp = config.graph_options.auto_mixed_precision_options
-        for field, value in itex_list_fields(saved_fields, placements).items():
+        for field, value in fields.items():
             setattr(amp, field, value)
         amp.data_type = getattr(itex, self.data_type)
         config.graph_options.auto_mixed_precision = itex.ON
@@ -123,7 +263,49 @@ class ItexEngine(Engine):
             itex.set_config(before)  # a failed apply changes nothing global
             raise
         self._saved_config = saved
-        self._model = model
+        # Weakly: the model keeps its last engine (remember_engine).
+        self._model = weakref.ref(model)
+        remember_engine(model, self)
+        log_dir = os.environ.get(itex_log.LOG_PATH_ENV)
+        if log_dir and os.path.isdir(log_dir):
+            self._rewrites_at_apply = itex_log.count_rewrites(log_dir)
+
+    def check_rewrites(self) -> list:
+        """Read ITEX's rewrite log since the last `apply`; warn if nothing ran.
+
+        Needs `ITEX_AUTO_MIXED_PRECISION_LOG_PATH` (an existing directory);
+        without it this returns `[]`. Call it after at least one step; it checks
+        once per `apply` (TF optimizes a function once, so later steps add no
+        dumps) and returns `[]` until the next `apply`. `AMPMonitor` calls it at
+        the end of every epoch. An op
+        type in two lists makes ITEX fail its pass before dumping anything
+        ("Op lists have conflicting entries") and the graph stays float32: a
+        rebuilt, stepped model with no new dump is reported with a warning.
+
+        Returns:
+            The new rewrites (`itex_log.read_rewrites` records).
+        """
+        log_dir = os.environ.get(itex_log.LOG_PATH_ENV)
+        if self._rewrites_at_apply is None or not log_dir:
+            return []
+        records = itex_log.read_rewrites(log_dir, since=self._rewrites_at_apply)
+        self._rewrites_at_apply = None
+        for record in records:
+            conflicts = itex_log.conflicting_ops(record["lists"])
+            if conflicts:
+                warnings.warn(
+                    f"ITEX's lists hold op types in two lists: {conflicts}.",
+                    stacklevel=2,
+                )
+        if not records:
+            warnings.warn(
+                "ITEX did not rewrite the model's functions since the lists "
+                "changed: an op type in two lists (ITEX logs 'Op lists have "
+                "conflicting entries') or a graph without MatMul/Conv/RNN ops. "
+                "The model runs in float32. Check `itex.get_config()`.",
+                stacklevel=2,
+            )
+        return records
 
     def restore(self) -> None:
         """Put ITEX's config back as it was before the first `apply`."""
@@ -131,5 +313,7 @@ class ItexEngine(Engine):
             return
         require_itex().set_config(self._saved_config)
         self._saved_config = None
-        if self._model is not None:
-            rebuild_functions(self._model)
+        self._rewrites_at_apply = None
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            rebuild_functions(model)

@@ -118,7 +118,7 @@ class KerasEngine(Engine):
     @staticmethod
     def _set_policy(layer, policy) -> None:
         if layer.dtype_policy.name != policy.name:
-            layer.dtype_policy = policy
+            _compat.set_layer_policy(layer, policy)
 
 
 def layer_precisions(model: keras.Model) -> list:

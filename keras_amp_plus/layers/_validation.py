@@ -6,6 +6,8 @@ import numbers
 import keras
 import numpy as np
 
+from keras_amp_plus import _compat
+
 
 def check_epsilon(epsilon) -> float:
     """Return `epsilon` as a float, or raise unless it is a positive number."""
@@ -111,7 +113,7 @@ def check_defined_dims(axes, input_shape, layer_name: str) -> None:
 
 def check_float_input(inputs, layer_name: str, argument: str = "inputs") -> None:
     """Raise TypeError unless `inputs` (named `argument`) has a float dtype."""
-    dtype = keras.backend.standardize_dtype(inputs.dtype)
+    dtype = _compat.standardize_dtype(inputs.dtype)
     if "float" not in dtype:
         raise TypeError(
             f"{layer_name} accepts floating-point inputs only. Cast the input "

@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_amp_plus import _compat
 from keras_amp_plus.layers import _validation
 from keras_amp_plus.layers._fused_normalization import fused_normalize
 from keras_amp_plus.layers._precision import broadcast_weights
@@ -91,7 +92,7 @@ class InstanceNormalization(keras.layers.Layer):
         self.beta_constraint = keras.constraints.get(beta_constraint)
         self.gamma_constraint = keras.constraints.get(gamma_constraint)
         self.supports_masking = True
-        self.autocast = False
+        _compat.disable_input_autocast(self)
 
     @property
     def groups(self) -> int:
@@ -145,6 +146,7 @@ class InstanceNormalization(keras.layers.Layer):
         self._channels = channels
         self.gamma = self._add_channel_weight("gamma", channels, self.scale)
         self.beta = self._add_channel_weight("beta", channels, self.center)
+        self.built = True  # Keras 2 builds again on the first call otherwise
 
     def _add_channel_weight(self, name, channels, enabled):
         """Add a float32 per-channel weight named like GroupNormalization's."""
@@ -156,7 +158,7 @@ class InstanceNormalization(keras.layers.Layer):
             initializer=getattr(self, f"{name}_initializer"),
             regularizer=getattr(self, f"{name}_regularizer"),
             constraint=getattr(self, f"{name}_constraint"),
-            autocast=False,
+            **_compat.no_autocast(),
         )
 
     def call(self, inputs):
@@ -173,6 +175,11 @@ class InstanceNormalization(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         """Return `input_shape`: normalization keeps the shape."""
         return input_shape
+
+    @classmethod
+    def from_config(cls, config):
+        """Create the layer from its config, as saved by Keras 3 or Keras 2."""
+        return super().from_config(_compat.portable_layer_config(config))
 
     def get_config(self):
         """Return the constructor arguments; identical before and after build."""

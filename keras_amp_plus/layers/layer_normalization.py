@@ -99,6 +99,14 @@ class LayerNormalization(keras.layers.LayerNormalization):
             gamma_constraint=gamma_constraint,
             **kwargs,
         )
+        # Statistics are taken from the inputs as they come (as Keras 3's layer
+        # does); Keras 2's base layer would round them to the compute dtype.
+        _compat.disable_input_autocast(self)
+
+    @classmethod
+    def from_config(cls, config):
+        """Create the layer from its config, as saved by Keras 3 or Keras 2."""
+        return super().from_config(_compat.portable_layer_config(config))
 
     def build(self, input_shape):
         """Check the axes against the input, then create `gamma` and `beta`."""
@@ -113,9 +121,9 @@ class LayerNormalization(keras.layers.LayerNormalization):
         _validation.check_float_input(inputs, _LAYER_NAME)
         rank = len(inputs.shape)
         axes = _validation.positive_axes(self.axis, rank, inputs.shape)
-        if self.rms_scaling:
+        if _compat.uses_rms_scaling(self):
             return self._rms_scaled(inputs, axes)
-        itex_op = _compat.itex_layer_norm_op()
+        itex_op = _compat.itex_layer_norm_op(inputs.dtype)
         # ITEX's kernel normalizes the last axis only and raises epsilon to its
         # own minimum, which would change the result.
         itex_applies = axes == (rank - 1,) and self.epsilon >= _ITEX_MIN_EPSILON

@@ -162,10 +162,11 @@ class Swish(keras.layers.Layer):
                 shape=(),
                 initializer=keras.initializers.Constant(self.initial_beta),
                 dtype="float32",
-                autocast=False,
+                **_compat.no_autocast(),
             )
         else:
             self.beta = None
+        self.built = True  # Keras 2 builds again on the first call otherwise
 
     def call(self, inputs):
         """Return `inputs * sigmoid(beta * inputs)` in the compute dtype."""
@@ -178,6 +179,11 @@ class Swish(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         """Return `input_shape`: the activation keeps the shape."""
         return input_shape
+
+    @classmethod
+    def from_config(cls, config):
+        """Create the layer from its config, as saved by Keras 3 or Keras 2."""
+        return super().from_config(_compat.portable_layer_config(config))
 
     def get_config(self):
         """Return `beta` (the initial value) and `trainable_beta`."""

@@ -14,7 +14,6 @@ Three ways to run, like Keras's own scaler:
   all-reduced so every replica takes the same branch.
 """
 
-import keras
 import tensorflow as tf
 
 from keras_amp_plus import _compat
@@ -66,10 +65,10 @@ def apply_unscaled(optimizer, grads, trainable_variables):
         unscaled = [
             g
             if g is None or getattr(v, "overwrite_with_gradient", False)
-            else keras.ops.divide(g, scale)
+            else _compat.divide(g, scale)
             for g, v in zip(grads, variables, strict=True)
         ]
-    optimizer.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
+    _compat.apply_inner(optimizer.inner_optimizer, unscaled, trainable_variables)
 
 
 def _finish_step(optimizer, flags, apply_fn, has_nan_fn):

@@ -10,6 +10,8 @@ import numbers
 
 import keras
 
+from keras_amp_plus import _compat
+
 ON_MIN_SCALE_MODES = ("raise", "warn", "ignore")
 
 
@@ -23,7 +25,7 @@ def _is_int(value) -> bool:
 
 def check_inner_optimizer(inner_optimizer) -> None:
     """Raise TypeError unless `inner_optimizer` is a plain Keras optimizer."""
-    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+    if isinstance(inner_optimizer, _compat.KerasLossScaleOptimizer):
         raise TypeError(
             "`inner_optimizer` is already a LossScaleOptimizer; wrapping it again "
             "would scale the loss twice. Pass the optimizer it wraps instead "

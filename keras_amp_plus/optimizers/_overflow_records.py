@@ -12,6 +12,8 @@ import warnings
 
 import tensorflow as tf
 
+from keras_amp_plus import _compat
+
 _COUNTERS = (
     "overflow_count",
     "nan_steps",
@@ -168,7 +170,7 @@ def overflow_summary(optimizer) -> dict:
 def tracked_variable_paths(optimizer) -> list:
     """Return the variable paths in the order of the per-variable records."""
     require_built(optimizer, "tracked_variable_paths")
-    return [v.path for v in optimizer._tracked.variables]
+    return [_compat.variable_path(v) for v in optimizer._tracked.variables]
 
 
 def read_events(optimizer, since_count: int = 0) -> list:

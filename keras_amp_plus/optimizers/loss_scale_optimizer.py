@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_amp_plus import _compat
 from keras_amp_plus.optimizers import (
     _apply_step,
     _arguments,
@@ -11,7 +12,7 @@ from keras_amp_plus.optimizers import (
 
 
 @keras.saving.register_keras_serializable(package="keras_amp_plus")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
     """Dynamic loss scaling that records every skipped step and its cause.
 
     A subclass of `keras.optimizers.LossScaleOptimizer`, so `model.compile`
@@ -198,7 +199,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def apply(self, grads: list, trainable_variables: list | None = None) -> None:
         """Apply the unscaled gradients, or skip the step and record why."""
         if not self.built:
-            with keras.name_scope(self.name, caller=self):
+            with _compat.optimizer_build_scope(self):
                 self.build(trainable_variables)
             self.built = True
         _apply_step.apply_step(self, grads, trainable_variables)

@@ -1,0 +1,268 @@
+"""ITEX's Advanced AMP driven by AMPMonitor / ItexEngine (the ITEX stack only).
+
+A float32 transformer block trains with `AMPMonitor(engine="itex")`; what ITEX
+converted is read from the graphs it dumps into
+`ITEX_AUTO_MIXED_PRECISION_LOG_PATH` (see `keras_amp_plus.engines.itex_log`).
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_amp_plus as kap
+from keras_amp_plus import _compat
+from keras_amp_plus import _itex_probe as itex_probe
+from keras_amp_plus._lists.precision_lists import PrecisionLists
+from keras_amp_plus.engines import ItexEngine, itex_log
+
+pytestmark = pytest.mark.itex
+
+# The op types a Dense / attention matmul becomes on ITEX's CPU graph.
+DENSE_MATMULS = ("MatMul", "_ITEXFusedMatMul", "_ITEXFusedMatMulGrad")
+ATTENTION_MATMULS = ("Einsum", "BatchMatMulV2", "_ITEXFusedBatchMatMulV2")
+
+
+def transformer(d=32, sequence=8, features=16, classes=4):
+    """Return a compiled float32 transformer block (attention + MLP)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((sequence, features))
+    x = keras.layers.Dense(d, name="embed")(inputs)
+    attention = keras.layers.MultiHeadAttention(2, d // 2, name="attention")(x, x)
+    x = kap.layers.LayerNormalization(name="ln1")(x + attention)
+    h = keras.layers.Dense(2 * d, name="ffn_in")(x)
+    h = kap.layers.Swish(name="swish")(h)
+    h = keras.layers.Dense(d, name="ffn_out")(h)
+    x = kap.layers.LayerNormalization(name="ln2")(x + h)
+    pooled = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(classes, name="head")(pooled)
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        keras.optimizers.Adam(1e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def data(samples=32, sequence=8, features=16, classes=4):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, sequence, features)).astype("float32")
+    return x, rng.integers(0, classes, size=(samples,))
+
+
+def converted(records, op_types):
+    return sum(record["converted"][op] for record in records for op in op_types)
+
+
+@pytest.fixture
+def itex_log_dir(tmp_path, monkeypatch):
+    """ITEX dumps every rewrite here (it reads the variable at each rewrite)."""
+    path = tmp_path / "itex_amp_log"
+    path.mkdir()
+    monkeypatch.setenv(itex_log.LOG_PATH_ENV, str(path))
+    return str(path)
+
+
+def amp_options():
+    config = _compat.itex_module().get_config()
+    return config.graph_options
+
+
+@pytest.mark.itex_bfloat16
+def test_amp_monitor_turns_advanced_amp_on_and_matmuls_run_in_bfloat16(
+    itex_log_dir, tmp_path
+):
+    itex = _compat.itex_module()
+    before = itex.get_config().SerializeToString()
+    model = transformer()
+    x, y = data()
+    monitor = kap.callbacks.AMPMonitor(str(tmp_path / "logs"), engine="itex")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+
+    records = itex_log.read_rewrites(itex_log_dir)
+    assert records, "ITEX rewrote nothing: Advanced AMP was not on"
+    assert converted(records, DENSE_MATMULS) >= 4  # embed, ffn_in, ffn_out, head
+    assert converted(records, ATTENTION_MATMULS) >= 2
+    # Our LayerNormalization runs ITEX's fused kernel, converted with its
+    # statistics and gamma/beta (type U) still float32.
+    assert converted(records, ("ITEXLayerNorm",)) == 2
+    for dump in os.listdir(itex_log_dir):
+        if dump.startswith("graphdef_AutoMixedPrecision_") and dump.endswith(".pb"):
+            graph = tf.compat.v1.GraphDef()
+            with open(os.path.join(itex_log_dir, dump), "rb") as f:
+                graph.ParseFromString(f.read())
+            for node in graph.node:
+                if node.op in ("ITEXLayerNorm", "ITEXLayerNormGrad"):
+                    assert node.attr["U"].type == tf.float32.as_datatype_enum
+    # The final lists are consistent, and the config is put back after fit.
+    assert all(not itex_log.conflicting_ops(r["lists"]) for r in records)
+    assert itex.get_config().SerializeToString() == before
+
+
+@pytest.mark.itex_bfloat16
+def test_moving_matmul_to_the_deny_list_changes_the_graph_after_retrace(
+    itex_log_dir, tmp_path
+):
+    model = transformer()
+    x, y = data()
+    fit_args = dict(batch_size=16, epochs=1, verbose=0)
+    model.fit(
+        x,
+        y,
+        callbacks=[kap.callbacks.AMPMonitor(str(tmp_path / "a"), engine="itex")],
+        **fit_args,
+    )
+    first = itex_log.read_rewrites(itex_log_dir)
+    assert converted(first, DENSE_MATMULS) > 0
+
+    denied = PrecisionLists(deny_ops=("MatMul",))
+    monitor = kap.callbacks.AMPMonitor(str(tmp_path / "b"), engine="itex", lists=denied)
+    model.fit(x, y, callbacks=[monitor], **fit_args)
+    second = itex_log.read_rewrites(itex_log_dir, since=len(first))
+    assert second, "the train function was not retraced after the list change"
+    # MatMul and ITEX's fused MatMuls stay float32; attention still converts.
+    assert converted(second, DENSE_MATMULS) == 0
+    assert converted(second, ATTENTION_MATMULS) > 0
+    for record in second:
+        assert {"MatMul", "_ITEXFusedMatMul"} <= record["lists"]["deny"]
+        assert not record["lists"]["allow"] & {"MatMul", "_ITEXFusedMatMul"}
+
+
+@pytest.mark.itex_bfloat16
+def test_the_users_conflicting_config_is_made_consistent(itex_log_dir):
+    itex = _compat.itex_module()
+    model = transformer()
+    x, y = data()
+    # The user's own config adds MatMul to the deny list without removing it
+    # from ITEX's default allow list: ITEX then skips its whole pass.
+    config = itex.get_config()
+    options = config.graph_options
+    options.auto_mixed_precision_options.denylist_add = "MatMul"
+    options.auto_mixed_precision = itex.ON
+    itex.set_config(config)
+    model.make_train_function(force=True)
+    model.train_on_batch(x[:16], y[:16])
+    assert itex_log.count_rewrites(itex_log_dir) == 0  # silently float32
+
+    engine = ItexEngine()
+    engine.apply(model, PrecisionLists())  # starts from the user's config
+    model.train_on_batch(x[:16], y[:16])
+    records = engine.check_rewrites()
+    assert records, "the pass still failed"
+    # The user's deny of "MatMul" is kept (their config names no fused ops).
+    assert converted(records, ("MatMul",)) == 0
+    assert converted(records, ATTENTION_MATMULS) > 0
+    fields = amp_options().auto_mixed_precision_options
+    assert "MatMul" in fields.allowlist_remove.split(",")
+    engine.restore()
+    assert amp_options().auto_mixed_precision_options.denylist_add == "MatMul"
+
+
+@pytest.mark.itex_bfloat16
+def test_a_conflict_made_behind_the_engines_back_is_noticed(itex_log_dir):
+    itex = _compat.itex_module()
+    model = transformer()
+    x, y = data()
+    engine = ItexEngine()
+    engine.apply(model, PrecisionLists())
+    config = itex.get_config()
+    config.graph_options.auto_mixed_precision_options.inferlist_add = "MatMul"
+    itex.set_config(config)  # MatMul now in the allow and the infer list
+    model.make_train_function(force=True)
+    model.train_on_batch(x[:16], y[:16])
+    with pytest.warns(UserWarning, match="did not rewrite"):
+        assert engine.check_rewrites() == []
+    engine.restore()
+
+
+def test_default_data_type_and_the_fields_set():
+    itex = _compat.itex_module()
+    engine = ItexEngine()
+    assert engine.data_type == "BFLOAT16"  # no XPU on CI machines
+    model = transformer()
+    engine.apply(model, PrecisionLists(deny_layers=("ffn_out",)))
+    options = amp_options()
+    assert options.auto_mixed_precision == itex.ON
+    amp = options.auto_mixed_precision_options
+    assert amp.data_type == itex.BFLOAT16
+    deny = amp.denylist_add.split(",")
+    assert {"MatMul", "_ITEXFusedMatMul", "_ITEXFusedMatMulGrad"} <= set(deny)
+    for other in ("allowlist_remove", "inferlist_remove", "clearlist_remove"):
+        assert set(deny) <= set(getattr(amp, other).split(","))
+    engine.restore()
+    assert amp_options().auto_mixed_precision != itex.ON
+
+
+def test_engine_refuses_before_the_first_step_when_bfloat16_kernels_abort(
+    tmp_path, monkeypatch
+):
+    # On ITEX's AVX2 backend the first bfloat16 MatMul aborts the process; the
+    # probe's answer (here: a cached "no") must stop fit before any step.
+    monkeypatch.setenv(itex_probe.CACHE_ENV, str(tmp_path / "cache"))
+    os.makedirs(tmp_path / "cache")
+    with open(itex_probe._cache_file(), "w") as f:
+        json.dump(
+            {
+                "works": False,
+                "backend": "AVX2",
+                "reason": "a bfloat16 MatMul under ITEX killed the process "
+                "(signal 6) on its AVX2 CPU backend",
+            },
+            f,
+        )
+    itex_probe.itex_bfloat16_status.cache_clear()
+    itex = _compat.itex_module()
+    before = itex.get_config().SerializeToString()
+    model = transformer()
+    weights = [w.copy() for w in model.get_weights()]
+    x, y = data()
+    try:
+        with pytest.raises(RuntimeError) as info:
+            model.fit(
+                x,
+                y,
+                epochs=1,
+                verbose=0,
+                callbacks=[kap.callbacks.AMPMonitor(None, engine="itex")],
+            )
+    finally:
+        itex_probe.itex_bfloat16_status.cache_clear()
+    message = str(info.value)
+    assert "killed the process (signal 6)" in message
+    assert "engine='keras'" in message and "float32" in message
+    assert "Received: engine='itex', itex_backend='AVX2'" in message
+    assert int(model.optimizer.iterations.numpy()) == 0
+    for before_weight, after in zip(weights, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(before_weight, after)
+    assert itex.get_config().SerializeToString() == before
+
+
+class ConflictingConfig(keras.callbacks.Callback):
+    """Puts MatMul into ITEX's infer list too, behind AMPMonitor's back."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        itex = _compat.itex_module()
+        config = itex.get_config()
+        config.graph_options.auto_mixed_precision_options.inferlist_add = "MatMul"
+        itex.set_config(config)
+        self.model.make_train_function(force=True)
+
+
+@pytest.mark.itex_bfloat16
+def test_amp_monitor_notices_a_rewrite_that_did_not_happen(itex_log_dir):
+    model = transformer()
+    x, y = data()
+    monitor = kap.callbacks.AMPMonitor(None, engine="itex")
+    with pytest.warns(UserWarning, match="ITEX did not rewrite"):
+        model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=1,
+            verbose=0,
+            callbacks=[monitor, ConflictingConfig()],
+        )
+    assert itex_log.count_rewrites(itex_log_dir) == 0

@@ -1,0 +1,210 @@
+"""The layers on both stacks: numerics against float64, config and weight round trips.
+
+Written against `_compat` only, so the same tests run in the Keras 3 suite and in
+`make test-itex` (TensorFlow 2.15 + Keras 2.15 + ITEX), where LayerNormalization
+runs ITEX's fused kernel.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_amp_plus as kap
+from keras_amp_plus import _compat
+
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+# One rounding of the output per dtype, plus float32 arithmetic slop relative to
+# the largest value (scaled by how far N(mean, 1) inputs sit from zero).
+ROUNDING = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+FLOAT32_SLOP = 2.0**-20
+
+
+def f64(tensor):
+    return np.asarray(tf.cast(tensor, tf.float64))
+
+
+def assert_close(actual, expected, dtype, what, slop_scale=1.0):
+    actual = f64(actual)
+    tolerance = ROUNDING[dtype] * np.abs(expected) + (
+        FLOAT32_SLOP * slop_scale * np.abs(expected).max()
+    )
+    error = np.abs(actual - expected)
+    assert np.all(error <= tolerance), (
+        f"{what}: max error {error.max():.3g}, tolerance {tolerance.min():.3g}"
+    )
+
+
+def inputs(shape, mean, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(mean, 1.0, shape).astype("float32")
+    upstream = rng.normal(0.0, 1.0, shape).astype("float32")
+    return x, upstream
+
+
+def normalization_reference(x, upstream, gamma, beta, epsilon, axes):
+    """Output and gradients (x, gamma, beta) of a normalization, in float64.
+
+    `gamma`/`beta` broadcast against `x`; `upstream` is the gradient reaching
+    the output (in the compute dtype, as the layer sees it).
+    """
+    x = x.astype("float64")
+    mean = x.mean(axis=axes, keepdims=True)
+    centered = x - mean
+    inverse_stddev = 1.0 / np.sqrt(
+        (centered**2).mean(axis=axes, keepdims=True) + epsilon
+    )
+    normalized = centered * inverse_stddev
+    outputs = normalized * gamma + beta
+    scaled = upstream * gamma
+    x_grad = inverse_stddev * (
+        scaled
+        - scaled.mean(axis=axes, keepdims=True)
+        - normalized * (scaled * normalized).mean(axis=axes, keepdims=True)
+    )
+    param_axes = tuple(i for i in range(x.ndim) if np.shape(gamma)[i] == 1)
+    gamma_grad = (upstream * normalized).sum(axis=param_axes)
+    beta_grad = upstream.sum(axis=param_axes)
+    return outputs, x_grad, gamma_grad, beta_grad
+
+
+def rounded(values, dtype):
+    """Return `values` rounded to `dtype`, as float64."""
+    return f64(tf.cast(tf.constant(values), dtype))
+
+
+def forward_backward(layer, x, upstream):
+    x = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        outputs = layer(x)
+        loss = tf.reduce_sum(tf.cast(outputs, tf.float32) * upstream)
+    grads = tape.gradient(loss, [x, *layer.trainable_weights])
+    return outputs, grads
+
+
+def set_random_weights(layer, seed=1):
+    rng = np.random.default_rng(seed)
+    layer.set_weights(
+        [1.0 + 0.1 * rng.normal(size=w.shape).astype("float32") for w in layer.weights]
+    )
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("mean", (0.0, 1000.0))
+def test_layer_normalization_matches_float64(policy, mean):
+    x, upstream = inputs((16, 64), mean)
+    layer = kap.layers.LayerNormalization(dtype=policy)
+    layer.build(x.shape)
+    set_random_weights(layer)
+    gamma, beta = (w.numpy().astype("float64").reshape(1, -1) for w in layer.weights)
+    outputs, (x_grad, gamma_grad, beta_grad) = forward_backward(layer, x, upstream)
+    compute = _compat.dtype_policy(policy).compute_dtype
+    reference = normalization_reference(
+        x, rounded(upstream, compute), gamma, beta, 1e-3, (1,)
+    )
+
+    assert _compat.standardize_dtype(outputs.dtype) == compute
+    assert [_compat.standardize_dtype(w.dtype) for w in layer.weights] == [
+        "float32",
+        "float32",
+    ]
+    scale = 1.0 + abs(mean)
+    assert_close(outputs, reference[0], compute, "outputs", slop_scale=scale)
+    # The input gradient comes back in the compute dtype: one rounding.
+    assert_close(x_grad, reference[1], compute, "x gradient", slop_scale=scale)
+    assert_close(gamma_grad, reference[2], "float32", "gamma gradient", scale)
+    assert_close(beta_grad, reference[3], "float32", "beta gradient", scale)
+
+
+@pytest.mark.itex
+def test_layer_normalization_runs_itex_fused_kernel():
+    layer = kap.layers.LayerNormalization(dtype="mixed_bfloat16")
+    function = tf.function(layer)
+    spec = tf.TensorSpec((None, 8, 32), tf.bfloat16)
+    graph = function.get_concrete_function(spec).graph
+    op_types = {op.type for op in graph.get_operations()}
+    assert "ITEXLayerNorm" in op_types
+    norm = next(op for op in graph.get_operations() if op.type == "ITEXLayerNorm")
+    assert norm.get_attr("T") == tf.bfloat16  # the compute dtype
+    assert norm.get_attr("U") == tf.float32  # statistics and gamma/beta
+    # A normalization over two axes is not ITEX's kernel: our XLA kernel runs.
+    two_axes = kap.layers.LayerNormalization(axis=(1, 2))
+    graph = tf.function(two_axes).get_concrete_function(tf.TensorSpec((2, 8, 32))).graph
+    assert "ITEXLayerNorm" not in {op.type for op in graph.get_operations()}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_instance_normalization_matches_float64(policy):
+    x, upstream = inputs((2, 6, 5, 8), 10.0)
+    layer = kap.layers.InstanceNormalization(dtype=policy)
+    layer.build(x.shape)
+    set_random_weights(layer)
+    gamma, beta = (
+        w.numpy().astype("float64").reshape(1, 1, 1, -1) for w in layer.weights
+    )
+    outputs, (x_grad, gamma_grad, beta_grad) = forward_backward(layer, x, upstream)
+    compute = _compat.dtype_policy(policy).compute_dtype
+    reference = normalization_reference(
+        x, rounded(upstream, compute), gamma, beta, 1e-3, (1, 2)
+    )
+    assert _compat.standardize_dtype(outputs.dtype) == compute
+    assert_close(outputs, reference[0], compute, "outputs", slop_scale=11.0)
+    assert_close(x_grad, reference[1], compute, "x gradient", slop_scale=11.0)
+    assert_close(gamma_grad, reference[2].reshape(-1), "float32", "gamma", 11.0)
+    assert_close(beta_grad, reference[3].reshape(-1), "float32", "beta", 11.0)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_swish_matches_float64(policy):
+    x, upstream = inputs((8, 32), 0.0)
+    x = 4.0 * x
+    layer = kap.layers.Swish(beta=1.5, trainable_beta=True, dtype=policy)
+    outputs, (x_grad, beta_grad) = forward_backward(layer, x, upstream)
+    compute = _compat.dtype_policy(policy).compute_dtype
+    # The layer computes on its input rounded to the compute dtype.
+    x64 = f64(tf.cast(tf.cast(x, compute), tf.float64))
+    sigmoid = 1.0 / (1.0 + np.exp(-1.5 * x64))
+    expected = x64 * sigmoid
+    slope = sigmoid * (1.0 + 1.5 * x64 * (1.0 - sigmoid))
+    assert _compat.standardize_dtype(outputs.dtype) == compute
+    assert _compat.standardize_dtype(layer.beta.dtype) == "float32"
+    assert_close(outputs, expected, compute, "outputs", slop_scale=4.0)
+    upstream64 = rounded(upstream, compute)
+    assert_close(x_grad, upstream64 * slope, compute, "x gradient", slop_scale=4.0)
+    beta_reference = (upstream64 * x64**2 * sigmoid * (1.0 - sigmoid)).sum()
+    np.testing.assert_allclose(float(beta_grad), beta_reference, rtol=2e-2)
+
+
+LAYERS = {
+    "LayerNormalization": lambda: kap.layers.LayerNormalization(epsilon=1e-4),
+    "InstanceNormalization": lambda: kap.layers.InstanceNormalization(center=False),
+    "Swish": lambda: kap.layers.Swish(beta=0.5, trainable_beta=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+@pytest.mark.parametrize("policy", ("float32", "mixed_bfloat16"))
+def test_config_and_weights_round_trip_through_a_keras_file(name, policy, tmp_path):
+    _compat.set_global_policy(policy)
+    keras.utils.set_random_seed(0)
+    inputs_ = keras.Input((4, 4, 3))
+    outputs = LAYERS[name]()(inputs_)
+    model = keras.Model(inputs_, outputs)
+    layer = model.layers[-1]
+    set_random_weights(layer)
+    config = layer.get_config()
+    clone = type(layer).from_config(config)
+    assert clone.get_config() == config
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    loaded_layer = loaded.layers[-1]
+    assert type(loaded_layer) is type(layer)
+    assert loaded_layer.get_config() == config
+    for saved, restored in zip(layer.weights, loaded_layer.weights, strict=True):
+        np.testing.assert_array_equal(saved.numpy(), restored.numpy())
+    x = np.random.default_rng(0).normal(size=(2, 4, 4, 3)).astype("float32")
+    np.testing.assert_array_equal(
+        f64(model(x)), f64(loaded(x)), err_msg=f"{name} under {policy}"
+    )

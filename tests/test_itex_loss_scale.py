@@ -1,0 +1,193 @@
+"""The loss scaler and the overflow scenario, the same on both stacks.
+
+Written against `_compat` only: on Keras 2.15 the scaler subclasses Keras 2's
+`LossScaleOptimizerV3` and `fit` drives it through `minimize` /
+`apply_gradients`; on Keras 3 through `apply`. The behaviour must not differ.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_amp_plus as kap
+from keras_amp_plus import _compat
+from keras_amp_plus.optimizers import LossScaleOptimizer
+
+BATCH, SAMPLES = 16, 128
+STEPS_PER_EPOCH = SAMPLES // BATCH
+
+
+def test_the_scaler_is_keras_own_scaler_class_on_this_stack():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    assert isinstance(optimizer, _compat.KerasLossScaleOptimizer)
+    if not _compat.IS_KERAS_3:
+        from keras.src.mixed_precision.loss_scale_optimizer import (
+            LossScaleOptimizerV3,
+        )
+
+        assert isinstance(optimizer, LossScaleOptimizerV3)
+        # What Keras 2's compile checks before wrapping an optimizer itself.
+        assert isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)
+
+
+def test_compile_under_mixed_float16_keeps_our_scaler():
+    _compat.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    model.compile(optimizer, loss="mse")
+    assert model.optimizer is optimizer
+
+
+def test_state_machine_step_by_step():
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.5),
+        initial_scale=8.0,
+        min_scale=2.0,
+        dynamic_growth_steps=2,
+        growth_factor=4.0,
+    )
+    # A model variable as each stack makes them (Keras 3's have a `path`).
+    variable = keras.Variable([1.0]) if _compat.IS_KERAS_3 else tf.Variable([1.0])
+    # Overflow: skipped, recorded, scale halves.
+    optimizer.apply([tf.constant([float("inf")])], [variable])
+    summary = optimizer.overflow_summary()
+    assert summary["overflow_count"] == 1 and summary["inf_steps"] == 1
+    assert summary["loss_scale"] == 4.0 and summary["last_step_skipped"]
+    assert float(variable.numpy()[0]) == 1.0
+    assert int(optimizer.iterations.numpy()) == 0  # a skipped step is no step
+    # NaN at the floor's doorstep: 4 -> 2 (the floor), then stays at 2.
+    optimizer.apply([tf.constant([float("nan")])], [variable])
+    with pytest.warns(UserWarning, match="already at its floor"):
+        optimizer.apply([tf.constant([float("nan")])], [variable])
+    summary = optimizer.overflow_summary()
+    assert summary["nan_steps"] == 2 and summary["loss_scale"] == 2.0
+    # Two finite steps: applied (gradient divided by the scale), then growth.
+    optimizer.apply([tf.constant([4.0])], [variable])
+    assert float(variable.numpy()[0]) == pytest.approx(1.0 - 0.5 * 4.0 / 2.0)
+    optimizer.apply([tf.constant([4.0])], [variable])
+    summary = optimizer.overflow_summary()
+    assert summary["loss_scale"] == 8.0 and not summary["last_step_skipped"]
+    assert int(optimizer.iterations.numpy()) == 2
+    assert int(optimizer.total_steps.numpy()) == 5
+    events = optimizer.read_events()
+    assert [e["step"] for e in events] == [1, 2, 3]
+    assert [e["has_nan"] for e in events] == [False, True, True]
+    assert [e["scale_before"] for e in events] == [8.0, 4.0, 2.0]
+
+
+def test_config_round_trip_keeps_every_argument():
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.Adam(1e-3),
+        initial_scale=256.0,
+        dynamic_growth_steps=7,
+        growth_factor=3.0,
+        backoff_factor=0.25,
+        min_scale=2.0,
+        max_scale=2.0**20,
+        hysteresis=2,
+        on_min_scale="raise",
+        event_buffer_size=9,
+    )
+    config = optimizer.get_config()
+    clone = LossScaleOptimizer.from_config(config)
+    for name in (
+        "growth_factor",
+        "backoff_factor",
+        "min_scale",
+        "max_scale",
+        "hysteresis",
+        "on_min_scale",
+        "event_buffer_size",
+        "dynamic_growth_steps",
+    ):
+        assert getattr(clone, name) == getattr(optimizer, name), name
+    assert float(clone.initial_scale) == 256.0
+    assert isinstance(clone.inner_optimizer, keras.optimizers.Adam)
+
+
+def test_bad_arguments_raise_before_anything_is_built():
+    with pytest.raises(ValueError, match=r"Received: min_scale=0"):
+        LossScaleOptimizer(keras.optimizers.SGD(), min_scale=0)
+    with pytest.raises(TypeError, match="already a LossScaleOptimizer"):
+        LossScaleOptimizer(LossScaleOptimizer(keras.optimizers.SGD()))
+
+
+def overflow_model():
+    """A model whose layer `hot` overflows float16 (outputs about 1e5)."""
+    _compat.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, name="d1")(inputs)
+    h = keras.layers.Dense(
+        16,
+        name="hot",
+        trainable=False,
+        kernel_initializer=keras.initializers.RandomNormal(stddev=3e4, seed=1),
+    )(h)
+    # Ours on both stacks: Keras 2's own layer casts its input to float16
+    # first, which overflows again after `hot` moved to float32.
+    h = kap.layers.LayerNormalization(name="ln")(h)
+    outputs = keras.layers.Dense(1, name="head")(h)
+    model = keras.Model(inputs, outputs)
+    model.compile(LossScaleOptimizer(keras.optimizers.Adam(0.1)), loss="mse")
+    return model
+
+
+@pytest.mark.slow
+def test_float16_overflow_is_attributed_denied_and_training_recovers(tmp_path):
+    log_dir = str(tmp_path / "logs")
+    model = overflow_model()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 4)).astype("float32")
+    y = np.tanh(x @ np.array([[1.0], [2.0], [-1.0], [0.5]])).astype("float32")
+    monitor = kap.callbacks.AMPMonitor(log_dir, read_every_steps=4, patience=10)
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0, callbacks=[monitor]
+    )
+
+    # Every step of epoch 0 overflows (skipped); then `hot` runs in float32.
+    assert history.history["overflow_events"] == [STEPS_PER_EPOCH, 0, 0, 0]
+    with open(os.path.join(log_dir, "amp_events.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    events = [r for r in records if r["type"] == "overflow"]
+    assert [e["step"] for e in events] == list(range(1, STEPS_PER_EPOCH + 1))
+    assert all(e["layers"] == ["hot"] and e["direction"] == "forward" for e in events)
+    assert [e["scale_before"] for e in events] == [2.0 ** (15 - i) for i in range(8)]
+    changes = [r for r in records if r["type"] == "list_change"]
+    assert [(c["kind"], c["name"], c["to"]) for c in changes] == [
+        ("layer", "hot", "deny")
+    ]
+    assert model.get_layer("hot").compute_dtype == "float32"
+    assert model.get_layer("d1").compute_dtype == "float16"
+    losses = history.history["loss"]
+    assert np.isfinite(losses[1:]).all() and losses[-1] < losses[1]
+    summary = model.optimizer.overflow_summary()
+    assert summary["overflow_count"] == STEPS_PER_EPOCH
+    assert summary["by_variable"]["d1/kernel"] == STEPS_PER_EPOCH
+
+
+def test_records_and_scale_survive_a_keras_file(tmp_path):
+    _compat.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d")])
+    model.compile(
+        LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=64.0), loss="mse"
+    )
+    x = np.array([[1.0, 2.0], [3.0, 4.0]], "float32")
+    model.train_on_batch(x, np.array([[1.0], [2.0]], "float32"))
+    model.train_on_batch(x, np.array([[np.inf], [2.0]], "float32"))  # overflow
+    before = model.optimizer.overflow_summary()
+    assert before["overflow_count"] == 1 and before["loss_scale"] == 32.0
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded.optimizer) is LossScaleOptimizer
+    after = loaded.optimizer.overflow_summary()
+    # Keras 3 may prefix the loaded variables' paths with the model's name.
+    assert list(after.pop("by_variable").values()) == [1, 1]
+    assert list(before.pop("by_variable").values()) == [1, 1]
+    assert after == before
+    assert int(loaded.optimizer.total_steps.numpy()) == 2

@@ -1,0 +1,109 @@
+"""The subprocess probe of ITEX's bfloat16 kernels, and what the doctor makes of it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from keras_amp_plus import _compat
+from keras_amp_plus import _itex_probe as itex_probe
+from keras_amp_plus.cli import doctor, doctor_text, recommendation
+
+AVX2_ABORT = {
+    "works": False,
+    "backend": "AVX2",
+    "reason": "a bfloat16 MatMul under ITEX killed the process (signal 6) on its "
+    "AVX2 CPU backend",
+}
+
+
+def test_a_child_killed_by_abort_is_read_as_not_working():
+    # What ITEX's AVX2 backend does on the first bfloat16 MatMul: a C++ abort.
+    script = (
+        "import os, sys\n"
+        "sys.stderr.write('I itex_cpu_wrapper.cc:60] Intel Extension for "
+        "Tensorflow* AVX2 CPU backend is loaded.\\n')\n"
+        'sys.stderr.write("terminate called after throwing an instance of '
+        "'dnnl::error'\\n\")\n"
+        "sys.stderr.flush()\n"
+        "os.abort()\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert child.returncode < 0  # killed by a signal, no Python exception
+    status = itex_probe.parse_child(child.returncode, child.stdout, child.stderr)
+    assert status["works"] is False and status["backend"] == "AVX2"
+    assert f"killed the process (signal {-child.returncode})" in status["reason"]
+    assert "dnnl::error" in status["reason"]
+
+
+def test_a_child_that_reports_finite_gradients_works():
+    stdout = json.dumps({"finite": True, "itex_backend": "CPU"}) + "\n"
+    status = itex_probe.parse_child(0, stdout, "AVX512 CPU backend is loaded.")
+    assert status == {"works": True, "backend": "AVX512", "reason": ""}
+
+
+def test_the_answer_is_cached_on_disk_per_machine_and_versions(tmp_path, monkeypatch):
+    monkeypatch.setenv(itex_probe.CACHE_ENV, str(tmp_path))
+    first = itex_probe._cache_file()
+    assert first.startswith(str(tmp_path))
+    itex_probe._write_cache(AVX2_ABORT)
+    assert itex_probe._read_cache() == AVX2_ABORT
+    # Another oneDNN setting is another key: the answer is not reused.
+    monkeypatch.setenv(
+        "TF_ENABLE_ONEDNN_OPTS",
+        "0" if os.environ.get("TF_ENABLE_ONEDNN_OPTS") != "0" else "1",
+    )
+    assert itex_probe._cache_file() != first
+    assert itex_probe._read_cache() is None
+
+
+@pytest.mark.itex
+def test_the_probe_on_this_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv(itex_probe.CACHE_ENV, str(tmp_path))
+    itex_probe.itex_bfloat16_status.cache_clear()
+    try:
+        status = itex_probe.itex_bfloat16_status()
+    finally:
+        itex_probe.itex_bfloat16_status.cache_clear()
+    assert status["backend"] in ("AVX512", "AVX2")
+    if status["backend"] == "AVX2":  # an AMD EPYC without AVX512
+        assert not status["works"] and "MatMul" in status["reason"]
+    else:  # Intel Xeons with AVX512 run bfloat16 there
+        assert status["works"], status["reason"]
+    # Written to disk: a second process would not run the child again.
+    assert os.listdir(tmp_path) == [os.path.basename(itex_probe._cache_file())]
+
+
+def test_the_doctor_recommends_float32_where_itex_bfloat16_aborts():
+    advice = recommendation.recommend({}, itex_bfloat16=AVX2_ABORT)
+    assert advice["policy"] == "float32"
+    (warning,) = advice["warnings"]
+    assert "signal 6" in warning and "engine='keras'" in warning
+    assert "Train in float32" in warning
+    itex = {"version": "2.15.0.0", "importable": True, "bfloat16": AVX2_ABORT}
+    assert doctor.probe_dtypes(itex) == ("float32",)  # never bf16 in-process
+    line = doctor_text._itex_line(itex)
+    assert line.startswith("2.15.0.0 (importable; AVX2 CPU backend, bfloat16")
+    assert "do not work" in line
+
+
+def test_the_doctor_keeps_its_advice_where_itex_bfloat16_works():
+    works = {"works": True, "backend": "AVX512", "reason": ""}
+    advice = recommendation.recommend({"bfloat16": 3.4}, itex_bfloat16=works)
+    assert advice["policy"] == "mixed_bfloat16"
+    assert any("engine='itex'" in note for note in advice["notes"])
+    itex = {"version": "2.15.0.0", "importable": True, "bfloat16": works}
+    assert "bfloat16" in doctor.probe_dtypes(itex)
+
+
+def test_the_doctor_reports_itex_on_this_stack():
+    status = doctor.itex_status()
+    if _compat.itex_module() is None:
+        assert "bfloat16" not in status
+    else:
+        assert status["importable"] and status["version"].startswith("2.15.0")
+        assert set(status["bfloat16"]) == {"works", "backend", "reason"}

@@ -149,11 +149,17 @@ def test_float16_overflow_is_attributed_denied_and_training_recovers(tmp_path):
         x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0, callbacks=[monitor]
     )
 
-    # Every step of epoch 0 overflows (skipped); then `hot` runs in float32.
-    assert history.history["overflow_events"] == [STEPS_PER_EPOCH, 0, 0, 0]
+    # Every step of epoch 0 overflows (skipped); then `hot` runs in float32
+    # and the scale is put back to 2**15, from where the scaler may search
+    # again (backward overflows above trusted_backward_scale: not attributed).
+    assert history.history["overflow_events"][0] == STEPS_PER_EPOCH
     with open(os.path.join(log_dir, "amp_events.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    events = [r for r in records if r["type"] == "overflow"]
+    later = [r for r in records if r["type"] == "overflow" and r["epoch"] > 0]
+    assert not any(r["trusted"] for r in later)
+    restored = [r for r in records if r["type"] == "scale_restored"]
+    assert [(r["epoch"], r["to"]) for r in restored] == [(0, 2.0**15)]
+    events = [r for r in records if r["type"] == "overflow" and r["epoch"] == 0]
     assert [e["step"] for e in events] == list(range(1, STEPS_PER_EPOCH + 1))
     assert all(e["layers"] == ["hot"] and e["direction"] == "forward" for e in events)
     assert [e["scale_before"] for e in events] == [2.0 ** (15 - i) for i in range(8)]
@@ -166,8 +172,8 @@ def test_float16_overflow_is_attributed_denied_and_training_recovers(tmp_path):
     losses = history.history["loss"]
     assert np.isfinite(losses[1:]).all() and losses[-1] < losses[1]
     summary = model.optimizer.overflow_summary()
-    assert summary["overflow_count"] == STEPS_PER_EPOCH
-    assert summary["by_variable"]["d1/kernel"] == STEPS_PER_EPOCH
+    assert summary["overflow_count"] == sum(history.history["overflow_events"])
+    assert summary["by_variable"]["d1/kernel"] >= STEPS_PER_EPOCH
 
 
 def test_records_and_scale_survive_a_keras_file(tmp_path):

@@ -81,9 +81,10 @@ def swish(x, beta=1.0):
     - [Ramachandran et al., 2017](https://arxiv.org/abs/1710.05941).
     """
     beta = _validation.check_swish_beta(beta, allow_tensors=True)
-    if keras.backend.is_keras_tensor(x):
+    if _compat.IS_KERAS_3 and keras.backend.is_keras_tensor(x):
         # Functional model building: record an operation, as Keras's own
         # activations do, which runs this function on real tensors later.
+        # (tf.keras 2 wraps TF ops applied to its KerasTensors by itself.)
         return _SwishOperation(beta)(x)
     x = tf.convert_to_tensor(x)
     # The result has x's dtype: integers would come back truncated.
@@ -96,19 +97,21 @@ def swish(x, beta=1.0):
 _compat.register_activation_name("keras_amp_plus>swish", swish)
 
 
-class _SwishOperation(keras.Operation):
-    """`swish` as a Keras operation, for symbolic `KerasTensor` inputs."""
+if _compat.IS_KERAS_3:  # `keras.Operation` is Keras 3 only
 
-    def __init__(self, beta):
-        super().__init__(name="swish")
-        self.beta = beta
+    class _SwishOperation(keras.Operation):
+        """`swish` as a Keras operation, for symbolic `KerasTensor` inputs."""
 
-    def call(self, x):
-        return swish(x, self.beta)
+        def __init__(self, beta):
+            super().__init__(name="swish")
+            self.beta = beta
 
-    def compute_output_spec(self, x):
-        _validation.check_float_input(x, "swish", argument="x")
-        return keras.KerasTensor(x.shape, dtype=x.dtype)
+        def call(self, x):
+            return swish(x, self.beta)
+
+        def compute_output_spec(self, x):
+            _validation.check_float_input(x, "swish", argument="x")
+            return keras.KerasTensor(x.shape, dtype=x.dtype)
 
 
 @keras.saving.register_keras_serializable(package="keras_amp_plus")

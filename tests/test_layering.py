@@ -19,6 +19,7 @@ RANKS = (
     ("keras_amp_plus._compat", 0),
     ("keras_amp_plus._hardware", 0),
     ("keras_amp_plus._matmul_probe", 0),
+    ("keras_amp_plus._itex_probe", 0),
     ("keras_amp_plus._lists", 1),
     ("keras_amp_plus.layers", 2),
     ("keras_amp_plus.optimizers", 2),

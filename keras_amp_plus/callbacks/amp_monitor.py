@@ -75,8 +75,9 @@ class AMPMonitor(keras.callbacks.Callback):
             is always the current lists. Defaults to `None` (empty lists).
         engine: "auto", "keras", "grappler", "itex" or an Engine. "auto"
             never turns on a precision you did not ask for: the layer engine
-            `keras`, or a graph engine when `lists` holds op types or a graph
-            rewrite is already on (see `keras_amp_plus.engines.resolve`). A
+            `keras`, or a graph engine when `lists` holds op types (or, for a
+            float32 model, when a graph rewrite is already on; see
+            `keras_amp_plus.engines.resolve`). A
             graph engine that cannot work here (grappler with oneDNN off)
             raises in `on_train_begin`. From `on_train_begin` on,
             `monitor.engine` is the Engine really used (pass it to

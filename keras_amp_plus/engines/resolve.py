@@ -1,15 +1,17 @@
 """`resolve_engine`: turn "keras" | "grappler" | "itex" | "auto" into an Engine.
 
-"auto" never turns on a precision the user did not ask for:
+"auto" never turns on a precision the user did not ask for. In order:
 
-- a graph engine only when the user asked for a graph rewrite: the lists hold
-  op types, or a rewrite is already switched on (grappler's
+- lists holding op types ask for a graph engine: `itex` when ITEX is
+  importable, else `grappler`;
+- a model with a mixed dtype policy (global or any layer's) gets the layer
+  engine `keras`: its policies decide its precision, and only they can put a
+  float16 layer back into float32 (op lists cannot);
+- a graph rewrite the user already switched on (grappler's
   `auto_mixed_precision_onednn_bfloat16` option, or ITEX's
-  `ITEX_AUTO_MIXED_PRECISION=1`); then `itex` when ITEX is importable, else
-  `grappler`;
-- otherwise the layer engine `keras`, which only edits per-layer dtype
-  policies. On a float32 model, denying a layer then changes nothing at all,
-  and a mixed-policy model keeps the precision its policies chose.
+  `ITEX_AUTO_MIXED_PRECISION=1`) keeps its engine;
+- otherwise `keras`, which only edits per-layer dtype policies: on a float32
+  model, denying a layer changes nothing at all.
 """
 
 import os
@@ -22,7 +24,7 @@ from keras_amp_plus._lists.precision_lists import OP_FIELDS
 from keras_amp_plus.engines.base import Engine
 from keras_amp_plus.engines.grappler import GRAPPLER_OPTION, GrapplerEngine
 from keras_amp_plus.engines.itex import ItexEngine
-from keras_amp_plus.engines.keras_engine import KerasEngine
+from keras_amp_plus.engines.keras_engine import KerasEngine, model_uses_mixed_policy
 
 ENGINE_NAMES = ("keras", "grappler", "itex", "auto")
 # `auto_mixed_precision_mkl` is the deprecated name of the same rewrite.
@@ -75,8 +77,7 @@ def auto_engine_name(model: keras.Model, lists=None) -> str:
     """Return the engine name "auto" stands for (see the module docstring).
 
     Args:
-        model: the Keras model (unused by the rule today; kept so the rule may
-            look at the model without changing callers).
+        model: the Keras model (its dtype policies).
         lists: the `PrecisionLists` to apply, or None.
 
     Example:
@@ -85,13 +86,11 @@ def auto_engine_name(model: keras.Model, lists=None) -> str:
     >>> auto_engine_name(model)
     'keras'
     """
-    del model
-    switched_on = graph_rewrite_switched_on()
-    if switched_on is not None:
-        return switched_on
     if lists is not None and any(getattr(lists, f) for f in OP_FIELDS):
         return "itex" if _compat.itex_module() is not None else "grappler"
-    return "keras"
+    if model_uses_mixed_policy(model):
+        return "keras"
+    return graph_rewrite_switched_on() or "keras"
 
 
 def resolve_engine(engine: str | Engine, model: keras.Model, lists=None) -> Engine:

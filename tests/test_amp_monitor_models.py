@@ -31,7 +31,9 @@ def _hot_dense(name):
         8,
         name=name,
         trainable=False,
-        kernel_initializer=keras.initializers.RandomNormal(stddev=3e4, seed=1),
+        # Outputs of order 1e6: beyond float16 (65504) with any matmul kernel
+        # (with 3e4 they sat near the limit, and Eigen's kernels stayed finite).
+        kernel_initializer=keras.initializers.RandomNormal(stddev=3e5, seed=1),
     )
 
 
@@ -50,7 +52,9 @@ def cnn(culprit):
         )
         h = backbone(h)
     h = keras.layers.LayerNormalization(name="ln")(h)
-    h = keras.layers.MaxPooling2D(name="pool")(h)
+    # Average pooling: TensorFlow's Eigen max pooling (oneDNN off) drops NaNs,
+    # which would hide the forward overflow from the loss (see the notes).
+    h = keras.layers.AveragePooling2D(2, name="pool")(h)
     h = keras.layers.GlobalAveragePooling2D(name="gap")(h)
     outputs = keras.layers.Dense(1, name="head")(h)
     return keras.Model(inputs, outputs, name="cnn")

@@ -1,9 +1,9 @@
 """The README is the first thing users run: its example, commands and files exist."""
 
 import json
+import os
 import pathlib
 import re
-import os
 import shlex
 
 import pytest

@@ -103,16 +103,16 @@ class Engine:
         """Make the engine take effect at the start of training.
 
         A layer engine has nothing to do for empty lists (the dtype policies
-        already decide). Graph engines override this: choosing one means
-        switching its rewrite on, with TensorFlow's default lists when
-        `lists` is empty.
+        already decide). Choosing a graph engine (`level == "op"`) means
+        switching its rewrite on, with its default lists when `lists` is
+        empty, so it always applies.
 
         Args:
             model: the Keras model the lists refer to.
             lists: a `keras_amp_plus.PrecisionLists`.
         """
         remember_engine(model, self)
-        if lists != PrecisionLists():
+        if self.level == "op" or lists != PrecisionLists():
             self.apply(model, lists)
 
     def check_rewrites(self) -> list:

@@ -193,15 +193,6 @@ class GrapplerEngine(Engine):
         del model
         check_onednn_enabled()
 
-    def start(self, model: keras.Model, lists: PrecisionLists) -> None:
-        """Switch the rewrite on, with `lists` (TensorFlow's defaults if empty).
-
-        Args:
-            model: the Keras model the lists refer to.
-            lists: a `keras_amp_plus.PrecisionLists`.
-        """
-        self.apply(model, lists)
-
     def apply(self, model: keras.Model, lists: PrecisionLists) -> None:
         """Set the grappler option and list variables, then rebuild functions.
 

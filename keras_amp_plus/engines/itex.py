@@ -225,15 +225,6 @@ class ItexEngine(Engine):
         if self.data_type == "BFLOAT16" and on_cpu:
             require_bfloat16_kernels()
 
-    def start(self, model: keras.Model, lists: PrecisionLists) -> None:
-        """Switch Advanced AMP on, with `lists` (ITEX's defaults when empty).
-
-        Args:
-            model: the Keras model the lists refer to.
-            lists: a `keras_amp_plus.PrecisionLists`.
-        """
-        self.apply(model, lists)
-
     def apply(self, model: keras.Model, lists: PrecisionLists) -> None:
         """Set ITEX's AMP lists from `itex.get_config()`, then rebuild.
 

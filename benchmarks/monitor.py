@@ -50,7 +50,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_amp_plus.callbacks import AMPMonitor
-from keras_amp_plus.callbacks.step_recorder import StepRecorder
+from keras_amp_plus.callbacks._step_recorder import StepRecorder
 from keras_amp_plus.optimizers import LossScaleOptimizer
 
 RESULTS = pathlib.Path(__file__).parent / "results"

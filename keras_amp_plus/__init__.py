@@ -20,7 +20,7 @@ _EXPORTS = {
     "AMPMonitor": ("keras_amp_plus.callbacks", "AMPMonitor"),
     "LossScaleOptimizer": ("keras_amp_plus.optimizers", "LossScaleOptimizer"),
     "PrecisionLists": ("keras_amp_plus._lists.precision_lists", "PrecisionLists"),
-    "precision_report": ("keras_amp_plus.report", "precision_report"),
+    "precision_report": ("keras_amp_plus._report", "precision_report"),
     "callbacks": ("keras_amp_plus.callbacks", None),
     "engines": ("keras_amp_plus.engines", None),
     "layers": ("keras_amp_plus.layers", None),

@@ -12,7 +12,6 @@ module only, with a comment saying why.
 """
 
 import functools
-import os
 
 import keras
 import tensorflow as tf
@@ -166,25 +165,6 @@ def uses_rms_scaling(layer) -> bool:
     return bool(getattr(layer, "rms_scaling", False))
 
 
-def add_float32_weight(layer, name, shape, initializer, regularizer, constraint):
-    """Add a trainable float32 weight that is never autocast to the compute dtype."""
-    return layer.add_weight(
-        name=name,
-        shape=shape,
-        initializer=initializer,
-        regularizer=regularizer,
-        constraint=constraint,
-        dtype="float32",
-        trainable=True,
-        **no_autocast(),
-    )
-
-
-def env_flag(name: str) -> bool:
-    """Return True when an environment variable is set to a truthy value."""
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
 @functools.cache
 def itex_module():
     """Return `intel_extension_for_tensorflow` when importable, else None.
@@ -315,22 +295,6 @@ def itex_layer_norm_op(input_dtype=tf.float32):
     except Exception:  # an ITEX without the op: use ours
         return None
     return getattr(load_ops_library, "itex_layer_norm", None)  # pragma: no cover
-
-
-def register_activation_name(name: str, function) -> None:
-    """Let `keras.activations.get(name)` (and so `Dense(activation=name)`) work.
-
-    Why private: Keras 3's `activations.get` resolves strings only through its
-    module table `keras.src.activations.ALL_OBJECTS_DICT`, not through the
-    registered custom objects, so a registered function's name is otherwise
-    accepted in configs (dict form) but not as a plain string. Built-in names
-    are never replaced.
-    """
-    if not IS_KERAS_3:
-        return  # Keras 2's `activations.get` looks registered names up itself.
-    from keras.src import activations as keras_activations
-
-    keras_activations.ALL_OBJECTS_DICT.setdefault(name, function)
 
 
 def in_xla_compiled_function() -> bool:

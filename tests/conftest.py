@@ -29,7 +29,7 @@ import keras
 import pytest
 
 from keras_amp_plus import _compat
-from keras_amp_plus.engines.grappler import (
+from keras_amp_plus.engines._grappler import (
     capture_global_state,
     put_back_global_state,
 )

@@ -26,7 +26,7 @@ from test_amp_monitor import (
 )
 
 from keras_amp_plus.callbacks import AMPMonitor
-from keras_amp_plus.callbacks.adaptation import AdaptationRule
+from keras_amp_plus.callbacks._adaptation import AdaptationRule
 from keras_amp_plus.optimizers import LossScaleOptimizer
 
 
@@ -155,8 +155,8 @@ def test_a_reloaded_nested_model_keeps_the_names_the_monitor_wrote(tmp_path):
 
 
 def test_backward_blame_uses_the_order_the_step_ran_the_layers():
-    from keras_amp_plus.callbacks.attribution import LayerIndex
-    from keras_amp_plus.callbacks.step_recorder import StepRecorder
+    from keras_amp_plus.callbacks._attribution import LayerIndex
+    from keras_amp_plus.callbacks._step_recorder import StepRecorder
 
     keras.utils.set_random_seed(0)
     backbone = keras.Sequential(

@@ -8,9 +8,17 @@ import pytest
 import tensorflow as tf
 
 from keras_amp_plus._lists.precision_lists import PrecisionLists
-from keras_amp_plus.callbacks import attribution, event_log, state
-from keras_amp_plus.callbacks.adaptation import AdaptationRule, Decision
-from keras_amp_plus.callbacks.list_editor import ListEditor
+from keras_amp_plus.callbacks import (
+    _attribution as attribution,
+)
+from keras_amp_plus.callbacks import (
+    _event_log as event_log,
+)
+from keras_amp_plus.callbacks import (
+    _state as state,
+)
+from keras_amp_plus.callbacks._adaptation import AdaptationRule, Decision
+from keras_amp_plus.callbacks._list_editor import ListEditor
 from keras_amp_plus.engines import GrapplerEngine, KerasEngine
 
 

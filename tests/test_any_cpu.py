@@ -17,7 +17,7 @@ from conftest import run_python
 from keras_amp_plus import precision_report
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import AMPMonitor
-from keras_amp_plus.engines.grappler import GRAPPLER_OPTION
+from keras_amp_plus.engines._grappler import GRAPPLER_OPTION
 
 CHILD_SETUP = """
 import json, os, logging

@@ -10,7 +10,9 @@ import keras
 import numpy as np
 import pytest
 
-from keras_amp_plus.cli import build_parser, demo, doctor
+from keras_amp_plus.cli import _demo as demo
+from keras_amp_plus.cli import _doctor as doctor
+from keras_amp_plus.cli import build_parser
 
 
 def _run_module(*args, env_updates=None, timeout=300):

@@ -12,8 +12,9 @@ import tensorflow as tf
 
 from keras_amp_plus import _hardware as cpu_features
 from keras_amp_plus import _matmul_probe as matmul_probe
-from keras_amp_plus.cli import doctor, doctor_text
-from keras_amp_plus.cli.recommendation import recommend
+from keras_amp_plus.cli import _doctor as doctor
+from keras_amp_plus.cli import _doctor_text as doctor_text
+from keras_amp_plus.cli._recommendation import recommend
 
 SAPPHIRE_RAPIDS = """\
 processor\t: 0
@@ -305,7 +306,10 @@ def test_doctor_json_on_this_machine():
 
 @pytest.mark.parametrize("setting, expected", [("0", False), ("1", True)])
 def test_onednn_status_follows_env(setting, expected):
-    code = "from keras_amp_plus.cli import doctor; print(doctor.onednn_status())"
+    code = (
+        "from keras_amp_plus.cli import _doctor as doctor; "
+        "print(doctor.onednn_status())"
+    )
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": setting}
     completed = subprocess.run(
         [sys.executable, "-c", code],

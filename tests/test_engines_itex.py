@@ -9,7 +9,7 @@ from keras_amp_plus._lists.list_fields import (
 )
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.engines import ItexEngine
-from keras_amp_plus.engines.itex import itex_list_fields
+from keras_amp_plus.engines._itex import itex_list_fields
 
 
 def _model():

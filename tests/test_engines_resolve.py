@@ -10,7 +10,7 @@ from keras_amp_plus.engines import (
     KerasEngine,
     resolve_engine,
 )
-from keras_amp_plus.engines.resolve import check_engine_name
+from keras_amp_plus.engines._resolve import check_engine_name
 
 
 def _model(layer_dtype=None):

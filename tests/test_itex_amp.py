@@ -2,7 +2,7 @@
 
 A float32 transformer block trains with `AMPMonitor(engine="itex")`; what ITEX
 converted is read from the graphs it dumps into
-`ITEX_AUTO_MIXED_PRECISION_LOG_PATH` (see `keras_amp_plus.engines.itex_log`).
+`ITEX_AUTO_MIXED_PRECISION_LOG_PATH` (see `keras_amp_plus.engines._itex_log`).
 """
 
 import json

@@ -9,7 +9,15 @@ import pytest
 
 from keras_amp_plus import _compat
 from keras_amp_plus import _itex_probe as itex_probe
-from keras_amp_plus.cli import doctor, doctor_text, recommendation
+from keras_amp_plus.cli import (
+    _doctor as doctor,
+)
+from keras_amp_plus.cli import (
+    _doctor_text as doctor_text,
+)
+from keras_amp_plus.cli import (
+    _recommendation as recommendation,
+)
 
 AVX2_ABORT = {
     "works": False,

@@ -24,7 +24,7 @@ RANKS = (
     ("keras_amp_plus.layers", 2),
     ("keras_amp_plus.optimizers", 2),
     ("keras_amp_plus.engines", 3),
-    ("keras_amp_plus.report", 3.5),
+    ("keras_amp_plus._report", 3.5),
     ("keras_amp_plus.callbacks", 4),
     ("keras_amp_plus.cli", 5),
     ("keras_amp_plus.__main__", 6),

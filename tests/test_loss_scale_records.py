@@ -223,7 +223,7 @@ def test_apply_with_a_reordered_subset_maps_gradients_to_their_columns():
     ("since_count", "error"), [(-1, ValueError), (1.5, TypeError), ("0", TypeError)]
 )
 def test_read_events_rejects_a_bad_since_count(since_count, error):
-    # A negative count used to come back as "1 overflow events were overwritten".
+    # A negative count must not read as "1 overflow events were overwritten".
     optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
     optimizer.build([keras.Variable([1.0])])
     with pytest.raises(error, match=f"Received: since_count={since_count!r}"):
@@ -241,7 +241,7 @@ def test_read_events_rejects_a_bad_since_count(since_count, error):
     ids=["overflow_summary", "tracked_variable_paths", "read_events"],
 )
 def test_reading_records_before_build_raises_a_clear_error(read):
-    # This used to be an AttributeError on a private attribute.
+    # Not an AttributeError on a private attribute.
     optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
     with pytest.raises(ValueError, match=r"must be built.*Received: optimizer\.built"):
         read(optimizer)

@@ -248,8 +248,8 @@ def test_on_min_scale_ignore_is_silent():
 
 
 def test_under_xla_the_floor_action_runs_at_the_next_host_read():
-    # XLA cannot compile py_function/Assert: a jit_compile=True step used to
-    # fail to compile with the default on_min_scale="warn".
+    # XLA cannot compile py_function/Assert, so a jit_compile=True step must
+    # compile with the default on_min_scale="warn" and act at the host read.
     optimizer = LossScaleOptimizer(
         keras.optimizers.SGD(0.1),
         initial_scale=4.0,
@@ -285,8 +285,8 @@ def test_floor_overflows_are_counted_in_every_mode():
 def test_under_xla_floor_overflows_loaded_from_a_file_are_not_acted_on_again(
     tmp_path,
 ):
-    # The loaded floor-overflow count used to count as new: the first host
-    # read after resuming raised for a step of the previous session.
+    # The loaded floor-overflow count is not new: the first host read after
+    # resuming must not raise for a step of the previous session.
     optimizer = LossScaleOptimizer(
         keras.optimizers.SGD(0.1),
         initial_scale=2.0,

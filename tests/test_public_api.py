@@ -29,21 +29,45 @@ PUBLIC_MODULES = sorted(
 )
 ALL_MODULES = sorted(map(_module_name, SOURCE_FILES))
 # Modules whose examples switch on the grappler rewrite (see conftest.py).
-NEEDS_ONEDNN = {"keras_amp_plus.engines.grappler"}
+NEEDS_ONEDNN = {"keras_amp_plus.engines._grappler"}
 PACKAGES = sorted(
     _module_name(path)
     for path in SOURCE_FILES
     if path.name == "__init__.py" and _is_public(_module_name(path))
 )
 
-# The names agreed between the parts (see the interfaces document); users and
-# the demo, notebook and README depend on them.
-CONTRACT_NAMES = {
-    "keras_amp_plus": ("PrecisionLists", "precision_report"),
-    "keras_amp_plus.layers": ("LayerNormalization", "InstanceNormalization", "Swish"),
+# Every public name, pinned: users, the demo, the notebooks and the README
+# import these, and nothing else is public.
+PUBLIC_NAMES = {
+    "keras_amp_plus": (
+        "AMPMonitor",
+        "LossScaleOptimizer",
+        "PrecisionLists",
+        "__version__",
+        "callbacks",
+        "engines",
+        "layers",
+        "optimizers",
+        "precision_report",
+    ),
+    "keras_amp_plus.layers": (
+        "InstanceNormalization",
+        "LayerNormalization",
+        "Swish",
+        "swish",
+    ),
     "keras_amp_plus.optimizers": ("LossScaleOptimizer",),
     "keras_amp_plus.callbacks": ("AMPMonitor",),
-    "keras_amp_plus.engines": ("resolve_engine", "rebuild_functions"),
+    "keras_amp_plus.engines": (
+        "Engine",
+        "GrapplerEngine",
+        "ItexEngine",
+        "KerasEngine",
+        "op_types_for_layer",
+        "rebuild_functions",
+        "resolve_engine",
+    ),
+    "keras_amp_plus.cli": ("build_parser", "main"),
 }
 
 PRIVATE_PREFIXES = ("keras.src", "tensorflow.python")
@@ -60,11 +84,23 @@ def test_every_name_in_all_imports(package_name):
         assert getattr(package, name) is namespace[name]
 
 
-@pytest.mark.parametrize("package_name", sorted(CONTRACT_NAMES))
-def test_contract_names_are_public(package_name):
+def test_the_public_packages_are_pinned():
+    assert sorted(PUBLIC_NAMES) == PACKAGES
+
+
+@pytest.mark.parametrize("package_name", sorted(PUBLIC_NAMES))
+def test_public_names_are_pinned(package_name):
     package = importlib.import_module(package_name)
-    missing = set(CONTRACT_NAMES[package_name]) - set(getattr(package, "__all__", ()))
-    assert not missing, f"{package_name}.__all__ lacks {sorted(missing)}"
+    assert sorted(package.__all__) == sorted(PUBLIC_NAMES[package_name])
+
+
+def test_every_module_outside_init_is_private():
+    public_modules = [
+        name
+        for name in PUBLIC_MODULES
+        if name not in PUBLIC_NAMES and name != "keras_amp_plus.__main__"
+    ]
+    assert public_modules == []
 
 
 def _imported_module_names(source: str) -> list:
@@ -148,5 +184,7 @@ def test_docstring_examples_are_found():
         for name in ALL_MODULES
         for test in finder.find(importlib.import_module(name))
     )
-    assert {"keras_amp_plus._hardware", "keras_amp_plus.cli.doctor"} <= set(ALL_MODULES)
+    assert {"keras_amp_plus._hardware", "keras_amp_plus.cli._doctor"} <= set(
+        ALL_MODULES
+    )
     assert examples >= 10

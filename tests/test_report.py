@@ -6,12 +6,12 @@ import pytest
 import tensorflow as tf
 
 from keras_amp_plus._lists.precision_lists import PrecisionLists
+from keras_amp_plus._report import precision_report, read_rewrite_dump
 from keras_amp_plus.engines import GrapplerEngine, KerasEngine
-from keras_amp_plus.engines.grappler import (
+from keras_amp_plus.engines._grappler import (
     GRAPPLER_OPTION,
     LOG_PATH_VARIABLE,
 )
-from keras_amp_plus.report import precision_report, read_rewrite_dump
 
 DENY_ADD = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD"
 ALLOW_REMOVE = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_REMOVE"

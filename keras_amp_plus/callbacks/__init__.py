@@ -1,5 +1,5 @@
 """Callbacks: `AMPMonitor` watches overflows and tunes the precision lists."""
 
-from keras_amp_plus.callbacks.amp_monitor import AMPMonitor
+from keras_amp_plus.callbacks._amp_monitor import AMPMonitor
 
 __all__ = ["AMPMonitor"]

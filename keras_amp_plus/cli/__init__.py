@@ -75,10 +75,10 @@ def main(argv: list | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        from keras_amp_plus.cli import doctor
+        from keras_amp_plus.cli import _doctor as doctor
 
         return doctor.main(json_output=args.json, probe_seconds=args.probe_seconds)
-    from keras_amp_plus.cli import demo
+    from keras_amp_plus.cli import _demo as demo
 
     return demo.main(log_dir=args.log_dir, epochs=args.epochs, quick=args.quick)
 

@@ -43,7 +43,7 @@ class TrackedVariables:
 
 
 def build_overflow_records(optimizer, var_list) -> None:
-    """Create the record variables of the contract on `optimizer`."""
+    """Create the overflow record variables on `optimizer`."""
     num_variables = len(var_list)
     capacity = optimizer.event_buffer_size
 
@@ -142,8 +142,8 @@ def load_keras_scaler_store(optimizer, store) -> None:
 def require_built(optimizer, method: str) -> None:
     """Raise a clear ValueError when the records do not exist yet."""
     if not optimizer.built:
-        # Before build() the records do not exist: this used to surface as an
-        # AttributeError on a private attribute.
+        # Before build() the records do not exist; say so instead of letting an
+        # AttributeError on a private attribute escape.
         raise ValueError(
             f"To call `{method}()`, the {type(optimizer).__name__} must be built "
             "(its records are created with its variables). Train first, or "
@@ -153,7 +153,7 @@ def require_built(optimizer, method: str) -> None:
 
 
 def overflow_summary(optimizer) -> dict:
-    """Return the plain-Python summary dict of the contract (one host read)."""
+    """Return the records as a plain-Python summary dict (one host read)."""
     require_built(optimizer, "overflow_summary")
     paths = tracked_variable_paths(optimizer)
     counts = optimizer.variable_overflow_counts.numpy().tolist()
@@ -187,7 +187,7 @@ def read_events(optimizer, since_count: int = 0) -> list:
             f"all events). Received: since_count={since_count!r}"
         )
     if since_count < 0:
-        # A negative count used to be reported as overwritten events.
+        # A negative count would otherwise read as overwritten events.
         raise ValueError(
             "`since_count` must be >= 0: the `overflow_count` last seen (0 for "
             f"all events). Received: since_count={since_count!r}"

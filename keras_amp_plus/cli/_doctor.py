@@ -2,7 +2,7 @@
 
 The doctor gathers facts into a plain dict (versions, oneDNN, CPU low-precision
 features, devices, whether Keras XLA-compiles `fit`, a short matmul probe), turns
-them into a recommendation (`keras_amp_plus.cli.recommendation.recommend`) and
+them into a recommendation (`keras_amp_plus.cli._recommendation.recommend`) and
 renders them as text or JSON. Keras and TensorFlow are imported only after the
 stack was checked, so a wrong Keras backend or a broken TensorFlow install is
 reported instead of crashing the doctor.
@@ -15,7 +15,12 @@ import platform
 import sys
 
 from keras_amp_plus import _hardware
-from keras_amp_plus.cli import doctor_text, recommendation
+from keras_amp_plus.cli import (
+    _doctor_text as doctor_text,
+)
+from keras_amp_plus.cli import (
+    _recommendation as recommendation,
+)
 
 ITEX_DISTRIBUTIONS = (
     "intel-extension-for-tensorflow",

@@ -56,11 +56,12 @@ def _swish(x, beta, with_beta_grad):
 def swish(x, beta=1.0):
     """Swish activation, `x * sigmoid(beta * x)`, in the input's dtype.
 
-    Usable wherever Keras takes an activation: `activation=swish`, or by its
-    registered name `"keras_amp_plus>swish"`, and on symbolic `keras.Input`
-    tensors while building a functional model. The gradient recomputes the
-    sigmoid, so the backward pass keeps only `x` (as `tf.nn.silu` does), and
-    forward and backward each run as one XLA-fused kernel.
+    Usable wherever Keras takes an activation (`activation=swish`; configs
+    save it under its registered name `"keras_amp_plus>swish"`), and on
+    symbolic `keras.Input` tensors while building a functional model. The
+    gradient recomputes the sigmoid, so the backward pass keeps only `x` (as
+    `tf.nn.silu` does), and forward and backward each run as one XLA-fused
+    kernel.
 
     Args:
         x: Float input tensor (any float dtype) or `KerasTensor`.
@@ -92,9 +93,6 @@ def swish(x, beta=1.0):
     wide = statistics_dtype(x.dtype)
     beta_is_constant = isinstance(beta, numbers.Real)
     return _swish(x, tf.cast(beta, wide), with_beta_grad=not beta_is_constant)
-
-
-_compat.register_activation_name("keras_amp_plus>swish", swish)
 
 
 if _compat.IS_KERAS_3:  # `keras.Operation` is Keras 3 only

@@ -15,8 +15,8 @@ attributed by replaying the stashed batch (`attribution.find_forward_overflow`).
 
 import logging
 
-from keras_amp_plus.callbacks import attribution
-from keras_amp_plus.callbacks.step_recorder import SCALER_KAP
+from keras_amp_plus.callbacks import _attribution as attribution
+from keras_amp_plus.callbacks._step_recorder import SCALER_KAP
 
 logger = logging.getLogger("keras_amp_plus")
 

@@ -33,7 +33,7 @@ from keras_amp_plus._lists.list_fields import (
     op_placements,
 )
 from keras_amp_plus._lists.precision_lists import PrecisionLists
-from keras_amp_plus.engines.base import (
+from keras_amp_plus.engines._base import (
     Engine,
     rebuild_functions,
     remember_engine,

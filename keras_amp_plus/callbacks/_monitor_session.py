@@ -1,20 +1,20 @@
 """One `fit` as seen by `AMPMonitor`: instrumentation, reads, writes, resume.
 
 `MonitorSession.__init__` runs in `on_train_begin` and does every check of
-`keras_amp_plus.callbacks.checks` before it touches the model.
+`keras_amp_plus.callbacks._checks` before it touches the model.
 """
 
 import logging
 
 from keras_amp_plus import _compat
 from keras_amp_plus._lists.precision_lists import PrecisionLists
-from keras_amp_plus.callbacks import checks
-from keras_amp_plus.callbacks import state as state_module
-from keras_amp_plus.callbacks.attribution import LayerIndex
-from keras_amp_plus.callbacks.event_collector import EventCollector
-from keras_amp_plus.callbacks.event_log import EventLog
-from keras_amp_plus.callbacks.list_editor import ListEditor
-from keras_amp_plus.callbacks.step_recorder import (
+from keras_amp_plus.callbacks import _checks as checks
+from keras_amp_plus.callbacks import _state as state_module
+from keras_amp_plus.callbacks._attribution import LayerIndex
+from keras_amp_plus.callbacks._event_collector import EventCollector
+from keras_amp_plus.callbacks._event_log import EventLog
+from keras_amp_plus.callbacks._list_editor import ListEditor
+from keras_amp_plus.callbacks._step_recorder import (
     SCALER_KAP,
     SCALER_NONE,
     StepRecorder,

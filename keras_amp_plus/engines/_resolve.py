@@ -21,10 +21,10 @@ import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus._lists.precision_lists import OP_FIELDS
-from keras_amp_plus.engines.base import Engine
-from keras_amp_plus.engines.grappler import GRAPPLER_OPTION, GrapplerEngine
-from keras_amp_plus.engines.itex import ItexEngine
-from keras_amp_plus.engines.keras_engine import KerasEngine, model_uses_mixed_policy
+from keras_amp_plus.engines._base import Engine
+from keras_amp_plus.engines._grappler import GRAPPLER_OPTION, GrapplerEngine
+from keras_amp_plus.engines._itex import ItexEngine
+from keras_amp_plus.engines._keras_engine import KerasEngine, model_uses_mixed_policy
 
 ENGINE_NAMES = ("keras", "grappler", "itex", "auto")
 # `auto_mixed_precision_mkl` is the deprecated name of the same rewrite.

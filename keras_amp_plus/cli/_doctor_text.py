@@ -1,4 +1,4 @@
-"""Render the doctor's facts (`keras_amp_plus.cli.doctor.gather_facts`) as text."""
+"""Render the doctor's facts (`keras_amp_plus.cli._doctor.gather_facts`) as text."""
 
 from keras_amp_plus import _hardware
 
@@ -79,7 +79,7 @@ def render(facts: dict) -> str:
     """Return the doctor's report as plain text.
 
     Args:
-        facts: the dict returned by `keras_amp_plus.cli.doctor.gather_facts`.
+        facts: the dict returned by `keras_amp_plus.cli._doctor.gather_facts`.
     """
     versions, cpu = facts["versions"], facts["cpu"]
     devices = ", ".join(

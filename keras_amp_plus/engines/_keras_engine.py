@@ -15,7 +15,7 @@ import keras
 from keras_amp_plus import _compat
 from keras_amp_plus._lists import layer_names
 from keras_amp_plus._lists.precision_lists import OP_FIELDS, PrecisionLists
-from keras_amp_plus.engines.base import Engine, rebuild_functions, remember_engine
+from keras_amp_plus.engines._base import Engine, rebuild_functions, remember_engine
 
 DEFAULT_MIXED_POLICY = "mixed_bfloat16"
 

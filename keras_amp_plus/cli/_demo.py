@@ -28,7 +28,7 @@ import numpy as np
 
 import keras_amp_plus as kap
 from keras_amp_plus import _hardware
-from keras_amp_plus.cli import recommendation
+from keras_amp_plus.cli import _recommendation as recommendation
 
 SEQUENCE_LENGTH = 32
 FEATURES = 32

@@ -6,10 +6,15 @@ import os
 import keras
 
 from keras_amp_plus._lists.precision_lists import PrecisionLists
-from keras_amp_plus.callbacks import checks, monitor_session
-from keras_amp_plus.callbacks.adaptation import AdaptationRule
-from keras_amp_plus.callbacks.event_log import changes_markdown
-from keras_amp_plus.callbacks.state import MonitorState
+from keras_amp_plus.callbacks import (
+    _checks as checks,
+)
+from keras_amp_plus.callbacks import (
+    _monitor_session as monitor_session,
+)
+from keras_amp_plus.callbacks._adaptation import AdaptationRule
+from keras_amp_plus.callbacks._event_log import changes_markdown
+from keras_amp_plus.callbacks._state import MonitorState
 
 logger = logging.getLogger("keras_amp_plus")
 
@@ -56,7 +61,7 @@ class AMPMonitor(keras.callbacks.Callback):
     scale changes (forward ones still attributed); with no scaler (bfloat16) the
     monitor watches for Inf/NaN losses and recommends
     `LossScaleOptimizer.guard`. With `adapt=True` the rule of
-    `keras_amp_plus.callbacks.adaptation` moves layers between lists at epoch
+    `keras_amp_plus.callbacks._adaptation` moves layers between lists at epoch
     end, through the engine.
 
     During `fit` only, the model's `train_step` and `compute_loss` are wrapped
@@ -77,7 +82,7 @@ class AMPMonitor(keras.callbacks.Callback):
             never turns on a precision you did not ask for: the layer engine
             `keras`, or a graph engine when `lists` holds op types (or, for a
             float32 model, when a graph rewrite is already on; see
-            `keras_amp_plus.engines.resolve`). A
+            `keras_amp_plus.engines._resolve`). A
             graph engine that cannot work here (grappler with oneDNN off)
             raises in `on_train_begin`. From `on_train_begin` on,
             `monitor.engine` is the Engine really used (pass it to

@@ -36,8 +36,8 @@ from keras_amp_plus._lists.list_fields import (
     split_op_types,
 )
 from keras_amp_plus._lists.precision_lists import PrecisionLists
-from keras_amp_plus.engines import itex_log
-from keras_amp_plus.engines.base import (
+from keras_amp_plus.engines import _itex_log as itex_log
+from keras_amp_plus.engines._base import (
     Engine,
     rebuild_functions,
     remember_engine,

@@ -23,10 +23,10 @@ import re
 import keras
 import tensorflow as tf
 
-from keras_amp_plus.engines.base import Engine, last_engine
-from keras_amp_plus.engines.grappler import LOG_PATH_VARIABLE
-from keras_amp_plus.engines.keras_engine import layer_precisions
-from keras_amp_plus.engines.resolve import (
+from keras_amp_plus.engines._base import Engine, last_engine
+from keras_amp_plus.engines._grappler import LOG_PATH_VARIABLE
+from keras_amp_plus.engines._keras_engine import layer_precisions
+from keras_amp_plus.engines._resolve import (
     auto_engine_name,
     check_engine_name,
     graph_rewrite_switched_on,

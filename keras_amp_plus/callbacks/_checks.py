@@ -11,11 +11,11 @@ import numbers
 import os
 
 from keras_amp_plus._lists.precision_lists import PrecisionLists
-from keras_amp_plus.callbacks.event_log import check_writable
-from keras_amp_plus.callbacks.hardware_check import warn_once_if_bfloat16_is_slow
+from keras_amp_plus.callbacks._event_log import check_writable
+from keras_amp_plus.callbacks._hardware_check import warn_once_if_bfloat16_is_slow
 from keras_amp_plus.engines import resolve_engine
-from keras_amp_plus.engines.itex import require_itex
-from keras_amp_plus.engines.resolve import check_engine_name
+from keras_amp_plus.engines._itex import require_itex
+from keras_amp_plus.engines._resolve import check_engine_name
 
 DEFAULT_CAPACITY = 64
 

@@ -17,7 +17,8 @@ import keras_amp_plus as kap
 from keras_amp_plus import _compat
 from keras_amp_plus import _itex_probe as itex_probe
 from keras_amp_plus._lists.precision_lists import PrecisionLists
-from keras_amp_plus.engines import ItexEngine, itex_log
+from keras_amp_plus.engines import ItexEngine
+from keras_amp_plus.engines import _itex_log as itex_log
 
 pytestmark = pytest.mark.itex
 

@@ -235,25 +235,44 @@ def _probe_cache_path(facts: dict, tf_version: str, onednn) -> str:
     return os.path.join(cache_dir(), f"bfloat16_probe_{digest}.json")
 
 
-def read_cached_speedup(path: str) -> float | None:
-    """Return the bfloat16 speed-up cached at `path`, or None."""
+def read_json_cache(path: str):
+    """Return the JSON value cached at `path`, or None when absent or broken."""
     try:
         with open(path, encoding="utf-8") as file:
-            return float(json.load(file)["bfloat16_speedup"])
-    except (OSError, ValueError, KeyError, TypeError):
+            return json.load(file)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json_cache(path: str, value) -> None:
+    """Cache `value` at `path` atomically; a read-only disk only costs a probe.
+
+    Written to a temporary file and renamed, so a concurrent reader (another
+    test worker, another training process) never sees half a file.
+    """
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as file:
+            json.dump(value, file)
+        os.replace(temporary, path)
+    except OSError:
+        pass
+
+
+def read_cached_speedup(path: str) -> float | None:
+    """Return the bfloat16 speed-up cached at `path`, or None."""
+    cached = read_json_cache(path)
+    try:
+        return float(cached["bfloat16_speedup"])
+    except (KeyError, TypeError, ValueError):
         return None
 
 
 def write_cached_speedup(path: str, speedup: float | None) -> None:
-    """Cache a measured bfloat16 speed-up; a read-only disk only costs a probe."""
-    if speedup is None:
-        return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as file:
-            json.dump({"bfloat16_speedup": speedup}, file)
-    except OSError:
-        pass
+    """Cache a measured bfloat16 speed-up (a failed probe is not cached)."""
+    if speedup is not None:
+        write_json_cache(path, {"bfloat16_speedup": speedup})
 
 
 def _itex_bfloat16_refusal() -> str | None:

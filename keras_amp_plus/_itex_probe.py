@@ -21,7 +21,8 @@ import re
 import subprocess
 import sys
 
-CACHE_ENV = "KERAS_AMP_PLUS_CACHE_DIR"
+from keras_amp_plus import _hardware
+
 _BACKEND_PATTERN = re.compile(r"(\w+) CPU backend is loaded")
 _CHILD_TIMEOUT_SECONDS = 300
 
@@ -75,30 +76,15 @@ def cache_key() -> str:
 
 
 def _cache_file() -> str:
-    root = os.environ.get(CACHE_ENV) or os.path.join(
-        os.path.expanduser("~"), ".cache", "keras_amp_plus"
-    )
-    return os.path.join(root, f"itex_bfloat16_{cache_key()}.json")
+    return os.path.join(_hardware.cache_dir(), f"itex_bfloat16_{cache_key()}.json")
 
 
 def _read_cache():
-    try:
-        with open(_cache_file()) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    return _hardware.read_json_cache(_cache_file())
 
 
 def _write_cache(status: dict) -> None:
-    path = _cache_file()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "w") as f:
-            json.dump(status, f)
-        os.replace(temporary, path)
-    except OSError:
-        pass  # a read-only home only costs a new probe next time
+    _hardware.write_json_cache(_cache_file(), status)
 
 
 def parse_child(returncode: int, stdout: str, stderr: str) -> dict:

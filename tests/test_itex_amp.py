@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import keras_amp_plus as kap
-from keras_amp_plus import _compat
+from keras_amp_plus import _compat, _hardware
 from keras_amp_plus import _itex_probe as itex_probe
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.engines import ItexEngine
@@ -202,7 +202,7 @@ def test_engine_refuses_before_the_first_step_when_bfloat16_kernels_abort(
 ):
     # On ITEX's AVX2 backend the first bfloat16 MatMul aborts the process; the
     # probe's answer (here: a cached "no") must stop fit before any step.
-    monkeypatch.setenv(itex_probe.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(_hardware.CACHE_DIR_VARIABLE, str(tmp_path / "cache"))
     os.makedirs(tmp_path / "cache")
     with open(itex_probe._cache_file(), "w") as f:
         json.dump(

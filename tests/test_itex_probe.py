@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from keras_amp_plus import _compat
+from keras_amp_plus import _compat, _hardware
 from keras_amp_plus import _itex_probe as itex_probe
 from keras_amp_plus.cli import (
     _doctor as doctor,
@@ -55,7 +55,7 @@ def test_a_child_that_reports_finite_gradients_works():
 
 
 def test_the_answer_is_cached_on_disk_per_machine_and_versions(tmp_path, monkeypatch):
-    monkeypatch.setenv(itex_probe.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(_hardware.CACHE_DIR_VARIABLE, str(tmp_path))
     first = itex_probe._cache_file()
     assert first.startswith(str(tmp_path))
     itex_probe._write_cache(AVX2_ABORT)
@@ -71,7 +71,7 @@ def test_the_answer_is_cached_on_disk_per_machine_and_versions(tmp_path, monkeyp
 
 @pytest.mark.itex
 def test_the_probe_on_this_machine(tmp_path, monkeypatch):
-    monkeypatch.setenv(itex_probe.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(_hardware.CACHE_DIR_VARIABLE, str(tmp_path))
     itex_probe.itex_bfloat16_status.cache_clear()
     try:
         status = itex_probe.itex_bfloat16_status()

@@ -58,6 +58,23 @@ def run_python(code: str, timeout: float = 300, **environment) -> str:
     return done.stdout
 
 
+def nested_model():
+    """Return `outer`: d1 -> `inner` Sequential (a, ln) -> head, in the policy."""
+    inner = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(4, name="a"),
+            keras.layers.LayerNormalization(name="ln"),
+        ],
+        name="inner",
+    )
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2, name="head")(
+        inner(keras.layers.Dense(4, name="d1")(inputs))
+    )
+    return keras.Model(inputs, outputs, name="outer")
+
+
 # The lean suite of the ITEX stack (`make test-itex`): the stack-specific tests
 # plus the layer / scaler / monitor core, written against `_compat`. The other
 # modules use Keras 3 APIs directly (`keras.config`, `keras.ops`, layer paths,

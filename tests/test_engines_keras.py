@@ -1,6 +1,7 @@
 import keras
 import numpy as np
 import pytest
+from conftest import nested_model
 
 from keras_amp_plus._lists.layer_names import candidate_layers
 from keras_amp_plus._lists.precision_lists import PrecisionLists
@@ -12,19 +13,7 @@ LOW = {"float32": "bfloat16", "mixed_float16": "float16", "mixed_bfloat16": "bfl
 
 def _model(policy):
     keras.config.set_dtype_policy(policy)
-    inner = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(4, name="a"),
-            keras.layers.LayerNormalization(name="ln"),
-        ],
-        name="inner",
-    )
-    inputs = keras.Input((4,))
-    hidden = inner(keras.layers.Dense(4, name="d1")(inputs))
-    model = keras.Model(
-        inputs, keras.layers.Dense(2, name="head")(hidden), name="outer"
-    )
+    model = nested_model()
     model.compile(optimizer="sgd", loss="mse")
     return model
 

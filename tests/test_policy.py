@@ -3,6 +3,7 @@ import json
 
 import keras
 import pytest
+from conftest import nested_model
 
 from keras_amp_plus._lists.op_types import (
     ACTIVATION_OP_TYPES,
@@ -218,22 +219,6 @@ def test_to_markdown_has_one_row_per_list():
     assert row == r"| deny_layers | `d1\|d2` |"
 
 
-def _nested_model():
-    inner = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(4, name="a"),
-            keras.layers.LayerNormalization(name="ln"),
-        ],
-        name="inner",
-    )
-    inputs = keras.Input((4,))
-    outputs = keras.layers.Dense(2, name="head")(
-        inner(keras.layers.Dense(4, name="d1")(inputs))
-    )
-    return keras.Model(inputs, outputs, name="outer")
-
-
 @pytest.mark.parametrize(
     ("entry", "expected"),
     [
@@ -245,14 +230,14 @@ def _nested_model():
     ],
 )
 def test_matching_layers_by_name_path_class_and_regex(entry, expected):
-    matches = PrecisionLists(deny_layers=(entry,)).matching_layers(_nested_model())
+    matches = PrecisionLists(deny_layers=(entry,)).matching_layers(nested_model())
     assert sorted(layer.name for layer in matches[entry]) == sorted(expected)
 
 
 def test_an_entry_matching_no_layer_suggests_close_names():
     lists = PrecisionLists(allow_layers=("d1",), deny_layers=("inner/lnn",))
     with pytest.raises(ValueError) as info:
-        lists.matching_layers(_nested_model())
+        lists.matching_layers(nested_model())
     message = str(info.value)
     assert "'inner/lnn' matches no layer of model 'outer'" in message
     assert "Did you mean inner/ln" in message
@@ -286,6 +271,6 @@ def test_op_types_for_layers_classes_activations_and_containers():
         pass
 
     assert op_types_for_layer(MyDense(2))[0] == "MatMul"
-    nested = op_types_for_layer(_nested_model().get_layer("inner"))
+    nested = op_types_for_layer(nested_model().get_layer("inner"))
     assert {"MatMul", "Mean", "Rsqrt"} <= set(nested)
     assert len(nested) == len(set(nested))

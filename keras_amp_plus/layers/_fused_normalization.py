@@ -153,7 +153,7 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
         )
 
     trailing = stat_axes == tuple(range(x.shape.rank - len(stat_axes), x.shape.rank))
-    path = _path_choice.normalization_path(x.shape.num_elements(), trailing)
+    path = _path_choice.normalization_path(x.shape.num_elements(), trailing, x.dtype)
     if path == _path_choice.KERAS_FORMULA:
         return _keras_formula.keras_formula_normalize(
             x, gamma, beta, epsilon, stat_axes, output_dtype

@@ -2,21 +2,24 @@
 
 Two implementations compute the same result with float32 statistics: the
 fused XLA kernels (`_fused_normalization`) and Keras's own formula
-(`_keras_formula`). Which one is faster depends on where the layer runs and
-on the CPU, as measured by `benchmarks/layers.py` on each kind of machine:
+(`_keras_formula`). Which one is faster depends on where the layer runs, on
+the shape and on the CPU, as measured by `benchmarks/layers.py` on each kind
+of machine:
 
-- In a step XLA compiles whole (`jit_compile=True`), the kernels' functions
-  are inlined into the model's cluster, and XLA fuses Keras's formula with
-  its neighbours as well. The kernels win there only where their sums run as
-  matrix products (from `DOT_SUM_MIN_ELEMENTS` on); below that, Keras's
-  formula.
-- In a graph step (no XLA around), the kernels replace a dozen separate
-  passes over memory. For statistics over the trailing axes (layer norm) on
-  CPUs with AVX-512 they win at every size of the benchmark's grid. Without
-  AVX-512 (where TensorFlow also turns oneDNN off), and for statistics over
-  middle axes (instance norm: height and width, channels last), XLA's
-  reductions are slower than TensorFlow's and the kernels win only from
-  `DOT_SUM_MIN_ELEMENTS` on; below, Keras's formula.
+- In a step XLA compiles whole (`jit_compile=True`), XLA fuses Keras's
+  formula with its neighbours, and the kernels' functions are only inlined
+  into the model's cluster: they win there only for statistics over trailing
+  axes (layer norm) whose sums run as matrix products (from
+  `DOT_SUM_MIN_ELEMENTS` on). Everywhere else inside XLA, Keras's formula.
+- In a graph step (no XLA around), from `DOT_SUM_MIN_ELEMENTS` on the
+  kernels win on every CPU measured. Below it the race is close and differs
+  between CPUs: where `_path_calibration` measured it on this CPU model and
+  TensorFlow version (the doctor runs it), the measured winner; otherwise
+  the rule from CPU features: the kernels for statistics over trailing axes
+  on CPUs with AVX-512 (the Intel Xeon measurements), Keras's formula on
+  CPUs without (the AMD EPYC measurements of issue 10: the kernels were
+  1.1-1.8x slower there) and for statistics over middle axes (instance
+  norm: XLA's reductions over them are slower than TensorFlow's).
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
   leaves XLA-compiled functions alone.
@@ -31,9 +34,10 @@ import os
 import tensorflow as tf
 
 from keras_amp_plus import _compat, _hardware
+from keras_amp_plus.layers import _path_calibration
 
-FUSED_KERNELS = "fused_kernels"
-KERAS_FORMULA = "keras_formula"
+FUSED_KERNELS = _path_calibration.FUSED_KERNELS
+KERAS_FORMULA = _path_calibration.KERAS_FORMULA
 PATH_VARIABLE = "KERAS_AMP_PLUS_NORMALIZATION_PATH"
 
 # Below this many elements XLA's CPU backend emits a (rows, n) x (n, 1) dot as
@@ -75,7 +79,7 @@ def _forced_path():
     return value
 
 
-def normalization_path(elements, trailing_statistics: bool = True) -> str:
+def normalization_path(elements, trailing_statistics=True, dtype="float32") -> str:
     """Return `FUSED_KERNELS` or `KERAS_FORMULA` for an input of `elements`.
 
     Args:
@@ -84,6 +88,8 @@ def normalization_path(elements, trailing_statistics: bool = True) -> str:
         trailing_statistics: whether the statistics are taken over the
             input's trailing axes (layer norm) rather than middle ones
             (instance norm). Defaults to `True`.
+        dtype: the input's dtype, for the measured choice. Defaults to
+            `"float32"`.
 
     Returns:
         The implementation to run, chosen as the module docstring says.
@@ -95,12 +101,18 @@ def normalization_path(elements, trailing_statistics: bool = True) -> str:
     forced = _forced_path()
     if forced is not None:
         return forced
-    if elements is None or elements >= DOT_SUM_MIN_ELEMENTS:
-        return FUSED_KERNELS
+    large = elements is not None and elements >= DOT_SUM_MIN_ELEMENTS
     if _compat.in_xla_compiled_function():
+        if trailing_statistics and (elements is None or large):
+            return FUSED_KERNELS
         return KERAS_FORMULA
+    if elements is None or large:
+        return FUSED_KERNELS
     if tf.executing_eagerly() or graph_rewrite_on():
         return FUSED_KERNELS
+    measured = _path_calibration.measured_path(elements, trailing_statistics, dtype)
+    if measured is not None:
+        return measured
     if trailing_statistics and cpu_has_avx512():
         return FUSED_KERNELS
     return KERAS_FORMULA

@@ -35,7 +35,22 @@ def _swish_backward(upstream, x, beta, with_beta_grad):
     return x_grad, beta_grad
 
 
+def _swish_for_xla(x, beta):
+    """`x * sigmoid(beta * x)` as plain ops, for a model XLA compiles whole.
+
+    There XLA fuses these ops (and TensorFlow's `silu` gradient, which also
+    recomputes the sigmoid) with their neighbours, as it does Keras's own
+    activation; the layer's separately compiled kernels would only be
+    inlined into the model's cluster and win nothing. The arithmetic stays in
+    `beta`'s dtype (float32 or wider), the result is rounded once.
+    """
+    return tf.cast(tf.nn.silu(tf.cast(x, beta.dtype), beta), x.dtype)
+
+
 def _swish(x, beta, with_beta_grad):
+    if _compat.in_xla_compiled_function():
+        return _swish_for_xla(x, beta)
+
     @tf.custom_gradient
     def swish_with_gradient(x, beta):
         def grad(upstream):

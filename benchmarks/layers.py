@@ -19,11 +19,16 @@ calls, so load from other processes on a shared machine inflates it little.
 The ratio is ours / Keras's: below 1 is faster. Outputs are checked against
 Keras's (same weights) before timing.
 
+Before timing, the layers' graph-step path choice is measured as the doctor
+measures it (`keras_amp_plus.layers._path_calibration`, into a temporary
+cache directory so the user's cache is left alone; `--no-calibrate` keeps the
+rule from CPU features); the measured cells go into the JSON.
+
 The header names the CPU and its bfloat16 features; the JSON written to
 `benchmarks/results/` (named per CPU kind) carries them with every cell.
 
 Usage: python benchmarks/layers.py [--quick] [--reps N] [--policies ...]
-    [--steps graph xla] [--layers LN IN Swish] [--output PATH]
+    [--steps graph xla] [--layers LN IN Swish] [--no-calibrate] [--output PATH]
 """
 
 import argparse
@@ -32,6 +37,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -43,6 +49,7 @@ import tensorflow as tf
 from machine import cpu_kind, print_header
 
 from keras_amp_plus import layers
+from keras_amp_plus.layers import _path_calibration
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 POLICIES = ("mixed_bfloat16", "mixed_float16", "float32")
@@ -212,8 +219,26 @@ def parse_args():
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
     parser.add_argument("--layers", nargs="+", default=list(GRID), choices=GRID)
+    parser.add_argument(
+        "--no-calibrate", action="store_true", help="skip measuring the paths"
+    )
     parser.add_argument("--output", type=pathlib.Path, default=None)
     return parser.parse_args()
+
+
+def calibrate(quick):
+    """Measure the graph-step paths into a fresh cache directory; return cells."""
+    os.environ["KERAS_AMP_PLUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kap_paths_")
+    result = _path_calibration.measure_paths(
+        seconds=10.0 if quick else 60.0, reps=3 if quick else 7
+    )
+    print("measured graph-step paths (kernels / formula CPU time):")
+    for cell in result["cells"]:
+        print(
+            f"  {cell['dtype']:<9} {cell['shape']!s:<18} {cell['ratio']:5.2f}"
+            f" -> {cell['path']}"
+        )
+    return result["cells"]
 
 
 def main():
@@ -224,8 +249,9 @@ def main():
     suffix = "_quick" if args.quick else ""
     output = args.output or RESULTS / f"layers_{kind_tag}{suffix}.json"
     grid = QUICK_GRID if args.quick else GRID
-    rows = []
     start = time.time()
+    calibration = None if args.no_calibrate else calibrate(args.quick)
+    rows = []
     print(
         f"\n{'layer':<6} {'shape':<20} {'policy':<15} {'step':<6} "
         f"{'ours ms':>8} {'keras ms':>9} {'ratio':>6}"
@@ -255,6 +281,7 @@ def main():
         "quick": args.quick,
         "command": " ".join(["python", *sys.argv]),
         "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+        "path_calibration": calibration,
     }
     table = [
         {"layer": k, "step": s, "policy": p, "worst": w, "median": m, "worst_at": a}

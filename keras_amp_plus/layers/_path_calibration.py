@@ -74,6 +74,11 @@ def _cells(path):
     return _loaded[path]
 
 
+def cached_cells() -> list:
+    """Return the measurements cached for this machine (empty when none)."""
+    return list(_cells(cache_path()))
+
+
 def _dtype_family(dtype) -> str:
     """float16 inputs race like bfloat16 ones (half-width reads, float32 math)."""
     name = tf.as_dtype(dtype).name

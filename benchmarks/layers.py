@@ -15,7 +15,8 @@ upstream gradient given) is wrapped in a `tf.function` ("graph" step) and in a
 cluster, as in a model compiled with `jit_compile=True`). Ours and Keras's
 steps are called interleaved, call by call, after a warm-up; each figure is the
 median process CPU time (`time.process_time()`, all threads) of `--reps`
-calls, so load from other processes on a shared machine inflates it little.
+calls (more for cheap cells, see `MIN_CELL_SECONDS`), so load from other
+processes on a shared machine inflates it little.
 The ratio is ours / Keras's: below 1 is faster. Outputs are checked against
 Keras's (same weights) before timing.
 
@@ -33,6 +34,7 @@ Usage: python benchmarks/layers.py [--quick] [--reps N] [--policies ...]
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -55,6 +57,9 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 POLICIES = ("mixed_bfloat16", "mixed_float16", "float32")
 STEPS = ("graph", "xla")
 TARGET_WORST, TARGET_MEDIAN = 1.0, 0.6
+# Calls per implementation and cell: at least --reps, more for cheap cells
+# until one implementation has run MIN_CELL_SECONDS of CPU time, at most MAX_REPS.
+MIN_CELL_SECONDS, MAX_REPS = 0.25, 25
 
 GRID = {
     "LN": [
@@ -160,8 +165,13 @@ def time_cell(kind, shape, policy, step_kind, reps):
     steps = {"ours": make_step(ours, jit), "keras": make_step(theirs, jit)}
     outputs = {who: step(x, upstream)[0] for who, step in steps.items()}
     error = check_close(outputs["ours"], outputs["keras"], dtype)
+    warm = []
     for step in steps.values():
+        start = time.process_time()
         step(x, upstream)
+        warm.append(time.process_time() - start)
+    # Small cells are the noisiest: give each at least MIN_CELL_SECONDS.
+    reps = min(max(reps, math.ceil(MIN_CELL_SECONDS / max(warm))), MAX_REPS)
     times = {who: [] for who in steps}
     for _ in range(reps):
         for who, step in steps.items():
@@ -179,6 +189,7 @@ def time_cell(kind, shape, policy, step_kind, reps):
         "keras_ms": keras_ms,
         "ratio": ours_ms / keras_ms,
         "max_output_difference": error,
+        "reps": reps,
     }
 
 

@@ -58,8 +58,9 @@ POLICIES = ("mixed_bfloat16", "mixed_float16", "float32")
 STEPS = ("graph", "xla")
 TARGET_WORST, TARGET_MEDIAN = 1.0, 0.6
 # Calls per implementation and cell: at least --reps, more for cheap cells
-# until one implementation has run MIN_CELL_SECONDS of CPU time, at most MAX_REPS.
-MIN_CELL_SECONDS, MAX_REPS = 0.25, 25
+# until one implementation has run MIN_CELL_SECONDS of CPU time, at most
+# MAX_REPS (the default grid then runs in under 10 minutes on 2 loaded cores).
+MIN_CELL_SECONDS, MAX_REPS = 0.4, 25
 
 GRID = {
     "LN": [
@@ -226,7 +227,7 @@ def print_summary(summary):
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 shapes per layer")
-    parser.add_argument("--reps", type=int, default=None, help="default 5 (quick 3)")
+    parser.add_argument("--reps", type=int, default=None, help="minimum, default 3")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
     parser.add_argument("--layers", nargs="+", default=list(GRID), choices=GRID)
@@ -241,7 +242,7 @@ def calibrate(quick):
     """Measure the graph-step paths into a fresh cache directory; return cells."""
     os.environ["KERAS_AMP_PLUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kap_paths_")
     result = _path_calibration.measure_paths(
-        seconds=10.0 if quick else 60.0, reps=3 if quick else 7
+        seconds=10.0 if quick else 40.0, reps=3 if quick else 7
     )
     print("measured graph-step paths (kernels / formula CPU time):")
     for cell in result["cells"]:
@@ -254,7 +255,7 @@ def calibrate(quick):
 
 def main():
     args = parse_args()
-    reps = args.reps or (3 if args.quick else 5)
+    reps = args.reps or 3
     info = print_header("Layers vs Keras's, forward + backward, CPU time ratio")
     kind_tag = cpu_kind(info)
     suffix = "_quick" if args.quick else ""

@@ -3,7 +3,8 @@
 In a graph step (no XLA around the model) the fused kernels and Keras's
 formula race per shape, and which one wins below the matrix-product size
 depends on the CPU (its vector width, whether TensorFlow turns oneDNN on) and
-on TensorFlow's kernels. `measure_paths` times both on a few sizes per kind
+on TensorFlow's kernels. `measure_paths` times them (for middle axes also
+TensorFlow's fused batch-norm kernel, `_batch_norm_formula`) on a few sizes per kind
 of statistics (trailing axes: layer norm; middle axes: instance norm) and
 input precision, forward + backward, interleaved, medians of process CPU
 time, and writes the winners to a JSON file in
@@ -31,11 +32,12 @@ from keras_amp_plus import _compat, _hardware
 
 FUSED_KERNELS = "fused_kernels"
 KERAS_FORMULA = "keras_formula"
+BATCH_NORM = "batch_norm"
 
 # Shapes timed, smallest first; all below the matrix-product size, where the
 # answer differs between CPUs (above it the kernels win everywhere measured).
 TRAILING_SHAPES = ((512, 256), (2048, 256), (2048, 1024))
-MIDDLE_SHAPES = ((8, 16, 16, 32), (8, 32, 32, 64), (8, 64, 64, 64))
+MIDDLE_SHAPES = ((8, 16, 16, 32), (16, 16, 16, 64), (8, 64, 64, 64))
 DTYPES = ("bfloat16", "float32")
 # The kernels must be this much faster to be chosen: on a loaded machine a
 # median of a few calls moves by 10-15%, and within that the formula (Keras's
@@ -95,9 +97,9 @@ def measured_path(elements, trailing_statistics, dtype):
         dtype: the input's dtype.
 
     Returns:
-        `FUSED_KERNELS` or `KERAS_FORMULA` from the nearest measured size of
-        the same kind and precision family, or None where nothing measured
-        lies within `NEAREST_OCTAVES`.
+        `FUSED_KERNELS`, `KERAS_FORMULA` or `BATCH_NORM` from the nearest
+        measured size of the same kind and precision family, or None where
+        nothing measured lies within `NEAREST_OCTAVES`.
 
     Example:
     >>> import os, tempfile
@@ -167,36 +169,43 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
 
     Returns:
         `{"path": cache file, "cells": [{"trailing", "dtype", "shape",
-        "elements", "ratio" (kernels / formula CPU time), "path"}]}`.
+        "elements", "ratios" (each path's CPU time / the formula's),
+        "path" (the winner)}]}`.
     """
     if not tf.executing_eagerly():
         raise RuntimeError(
             "`measure_paths` times steps of its own and must run eagerly, not "
             "inside a tf.function. Call it outside of any traced function."
         )
-    from keras_amp_plus.layers import _fused_normalization, _keras_formula
+    from keras_amp_plus.layers import (
+        _batch_norm_formula,
+        _fused_normalization,
+        _keras_formula,
+    )
 
     paths = {
-        FUSED_KERNELS: _fused_normalization._normalize_with_gradient,
         KERAS_FORMULA: _keras_formula.keras_formula_normalize,
+        FUSED_KERNELS: _fused_normalization._normalize_with_gradient,
     }
+    middle_paths = {**paths, BATCH_NORM: _batch_norm_formula.batch_norm_normalize}
     deadline = time.monotonic() + seconds
     cells = []
-    for shapes in (TRAILING_SHAPES, MIDDLE_SHAPES):
+    for shapes, racing in ((TRAILING_SHAPES, paths), (MIDDLE_SHAPES, middle_paths)):
         for shape, dtype in ((s, d) for s in shapes for d in DTYPES):
             if time.monotonic() >= deadline:
                 break
-            steps = {name: _step(f, shape, dtype) for name, f in paths.items()}
+            steps = {name: _step(f, shape, dtype) for name, f in racing.items()}
             medians = _time_pair(steps, reps)
-            ratio = medians[FUSED_KERNELS] / medians[KERAS_FORMULA]
+            ratios = {name: t / medians[KERAS_FORMULA] for name, t in medians.items()}
+            fastest = min(ratios, key=ratios.get)
             cells.append(
                 {
                     "trailing": len(shape) == 2,
                     "dtype": dtype,
                     "shape": list(shape),
                     "elements": math.prod(shape),
-                    "ratio": ratio,
-                    "path": FUSED_KERNELS if ratio < WIN_MARGIN else KERAS_FORMULA,
+                    "ratios": ratios,
+                    "path": fastest if ratios[fastest] < WIN_MARGIN else KERAS_FORMULA,
                 }
             )
     path = cache_path()

@@ -244,12 +244,10 @@ def calibrate(quick):
     result = _path_calibration.measure_paths(
         seconds=10.0 if quick else 40.0, reps=3 if quick else 7
     )
-    print("measured graph-step paths (kernels / formula CPU time):")
+    print("measured graph-step paths (CPU time / Keras's formula's):")
     for cell in result["cells"]:
-        print(
-            f"  {cell['dtype']:<9} {cell['shape']!s:<18} {cell['ratio']:5.2f}"
-            f" -> {cell['path']}"
-        )
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in cell["ratios"].items())
+        print(f"  {cell['dtype']:<9} {cell['shape']!s:<18} {ratios} -> {cell['path']}")
     return result["cells"]
 
 

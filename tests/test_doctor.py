@@ -277,7 +277,7 @@ def test_doctor_passes_the_probe_result_to_the_advice(monkeypatch, tmp_path):
     monkeypatch.setattr(
         doctor,
         "layer_paths_status",
-        lambda seconds: {"cache": "x", "measured_now": False, "cells": []},
+        lambda seconds, itex: {"cache": "x", "measured_now": False, "cells": []},
     )
     facts = doctor.gather_facts(probe_seconds=0.2, probe_size=128)
     assert seen["policy"] == facts["recommendation"]["policy"]
@@ -285,6 +285,17 @@ def test_doctor_passes_the_probe_result_to_the_advice(monkeypatch, tmp_path):
     text = doctor_text.render(facts)
     assert "30.0 CPU ms per step without, 10.0 with jit_compile=True" in text
     assert "pass jit_compile=True to compile()" in text
+
+
+def test_layer_paths_not_measured_with_itex_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_AMP_PLUS_CACHE_DIR", str(tmp_path))
+    status = doctor.layer_paths_status(5.0, {"version": "2.15", "importable": True})
+    assert status["cells"] == [] and "ITEX" in status["skipped"]
+    assert os.listdir(tmp_path) == []
+    facts = {"layer_paths": status}
+    assert "not measured: ITEX is loaded" in doctor_text._layer_paths_line(
+        facts["layer_paths"]
+    )
 
 
 def test_jit_probe_measures_both_modes_and_restores_the_policy():

@@ -150,7 +150,7 @@ def fit_xla_status() -> dict:
 LAYER_PATHS_BUDGET_FACTOR = 10
 
 
-def layer_paths_status(seconds: float) -> dict:
+def layer_paths_status(seconds: float, itex: dict | None = None) -> dict:
     """Return the layers' measured graph-step paths, measuring them if needed.
 
     The measurement is cached per CPU model, TensorFlow version and oneDNN
@@ -159,11 +159,23 @@ def layer_paths_status(seconds: float) -> dict:
 
     Args:
         seconds: wall-time budget when the measurement has to run.
+        itex: `itex_status()`. With ITEX loaded nothing is measured: its own
+            kernels replace TensorFlow's, and where its bfloat16 kernels
+            abort the process a bfloat16 step would end the doctor.
 
     Returns:
-        `{"cache", "measured_now", "cells"}`.
+        `{"cache", "measured_now", "cells"}`, plus `"skipped"` (why) when
+        nothing was measured on purpose.
     """
     from keras_amp_plus.layers import _path_calibration
+
+    if itex is not None and itex.get("importable"):
+        return {
+            "cache": None,
+            "measured_now": False,
+            "cells": [],
+            "skipped": "ITEX is loaded: its kernels replace TensorFlow's",
+        }
 
     path = _path_calibration.cache_path()
     cells = _path_calibration.cached_cells()

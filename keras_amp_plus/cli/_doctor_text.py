@@ -92,6 +92,8 @@ def _layer_paths_line(layer_paths: dict | None) -> str:
     """Return how many graph-step shapes the layers' kernels won."""
     if layer_paths is None:
         return "not measured"
+    if layer_paths.get("skipped"):
+        return f"not measured: {layer_paths['skipped']}"
     cells = layer_paths["cells"]
     won = sum(cell["path"] == "fused_kernels" for cell in cells)
     when = "measured now" if layer_paths["measured_now"] else "cached"

@@ -51,16 +51,16 @@ def probe_jit_speedup(seconds: float = 2.0, policy: str = "mixed_bfloat16") -> d
     """
     import keras
 
-    from keras_amp_plus import layers
+    from keras_amp_plus import _compat, layers
 
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(policy)
+    previous = _compat.global_policy()
+    _compat.set_global_policy(policy)
     try:
         models = {
             jit: _model(keras, layers.LayerNormalization) for jit in (False, True)
         }
     finally:
-        keras.config.set_dtype_policy(previous)
+        _compat.set_global_policy(previous)
     rng = np.random.default_rng(0)
     x = rng.normal(0.0, 1.0, (BATCH, LENGTH, WIDTH)).astype("float32")
     y = rng.normal(0.0, 1.0, (BATCH, 1)).astype("float32")

@@ -231,7 +231,9 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
     )
     policy = recommendation.recommend(speedups, **facts_for_advice)["policy"]
     facts["jit_probe"] = _jit_probe.probe_jit_speedup(probe_seconds, policy)
-    facts["layer_paths"] = layer_paths_status(LAYER_PATHS_BUDGET_FACTOR * probe_seconds)
+    facts["layer_paths"] = layer_paths_status(
+        LAYER_PATHS_BUDGET_FACTOR * probe_seconds, stack["itex"]
+    )
     facts["recommendation"] = recommendation.recommend(
         speedups, jit_probe=facts["jit_probe"], **facts_for_advice
     )

@@ -296,6 +296,11 @@ def test_layer_paths_not_measured_with_itex_loaded(tmp_path, monkeypatch):
     assert "not measured: ITEX is loaded" in doctor_text._layer_paths_line(
         facts["layer_paths"]
     )
+    cells = [{"path": "batch_norm"}, {"path": "keras_formula"}, {"path": "batch_norm"}]
+    line = doctor_text._layer_paths_line(
+        {"cache": "c", "measured_now": True, "cells": cells}
+    )
+    assert line == "fastest at 3 shapes: batch_norm 2, keras_formula 1 (measured now)"
 
 
 def test_jit_probe_measures_both_modes_and_restores_the_policy():

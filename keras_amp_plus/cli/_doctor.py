@@ -147,7 +147,7 @@ def fit_xla_status() -> dict:
 
 
 # The layers' path measurement gets this many times the probe budget.
-LAYER_PATHS_BUDGET_FACTOR = 10
+LAYER_PATHS_BUDGET_FACTOR = 20
 
 
 def layer_paths_status(seconds: float, itex: dict | None = None) -> dict:

@@ -89,15 +89,18 @@ def _jit_probe_line(jit_probe: dict | None) -> str:
 
 
 def _layer_paths_line(layer_paths: dict | None) -> str:
-    """Return how many graph-step shapes the layers' kernels won."""
+    """Return how many measured graph-step shapes each path won."""
     if layer_paths is None:
         return "not measured"
     if layer_paths.get("skipped"):
         return f"not measured: {layer_paths['skipped']}"
     cells = layer_paths["cells"]
-    won = sum(cell["path"] == "fused_kernels" for cell in cells)
+    wins = {}
+    for cell in cells:
+        wins[cell["path"]] = wins.get(cell["path"], 0) + 1
+    counts = ", ".join(f"{path} {count}" for path, count in sorted(wins.items()))
     when = "measured now" if layer_paths["measured_now"] else "cached"
-    return f"fused kernels faster at {won} of {len(cells)} shapes ({when})"
+    return f"fastest at {len(cells)} shapes: {counts or 'none'} ({when})"
 
 
 def render(facts: dict) -> str:

@@ -15,23 +15,31 @@ upstream gradient given) is wrapped in a `tf.function` ("graph" step) and in a
 cluster, as in a model compiled with `jit_compile=True`). Ours and Keras's
 steps are called interleaved, call by call, after a warm-up; each figure is the
 median process CPU time (`time.process_time()`, all threads) of `--reps`
-calls, so load from other processes on a shared machine inflates it little.
+calls (more for cheap cells, see `MIN_CELL_SECONDS`), so load from other
+processes on a shared machine inflates it little.
 The ratio is ours / Keras's: below 1 is faster. Outputs are checked against
 Keras's (same weights) before timing.
+
+Before timing, the layers' graph-step path choice is measured as the doctor
+measures it (`keras_amp_plus.layers._path_calibration`, into a temporary
+cache directory so the user's cache is left alone; `--no-calibrate` keeps the
+rule from CPU features); the measured cells go into the JSON.
 
 The header names the CPU and its bfloat16 features; the JSON written to
 `benchmarks/results/` (named per CPU kind) carries them with every cell.
 
 Usage: python benchmarks/layers.py [--quick] [--reps N] [--policies ...]
-    [--steps graph xla] [--layers LN IN Swish] [--output PATH]
+    [--steps graph xla] [--layers LN IN Swish] [--no-calibrate] [--output PATH]
 """
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -43,11 +51,16 @@ import tensorflow as tf
 from machine import cpu_kind, print_header
 
 from keras_amp_plus import layers
+from keras_amp_plus.layers import _path_calibration
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 POLICIES = ("mixed_bfloat16", "mixed_float16", "float32")
 STEPS = ("graph", "xla")
 TARGET_WORST, TARGET_MEDIAN = 1.0, 0.6
+# Calls per implementation and cell: at least --reps, more for cheap cells
+# until one implementation has run MIN_CELL_SECONDS of CPU time, at most
+# MAX_REPS (the default grid then runs in under 10 minutes on 2 loaded cores).
+MIN_CELL_SECONDS, MAX_REPS = 0.4, 25
 
 GRID = {
     "LN": [
@@ -153,8 +166,13 @@ def time_cell(kind, shape, policy, step_kind, reps):
     steps = {"ours": make_step(ours, jit), "keras": make_step(theirs, jit)}
     outputs = {who: step(x, upstream)[0] for who, step in steps.items()}
     error = check_close(outputs["ours"], outputs["keras"], dtype)
+    warm = []
     for step in steps.values():
+        start = time.process_time()
         step(x, upstream)
+        warm.append(time.process_time() - start)
+    # Small cells are the noisiest: give each at least MIN_CELL_SECONDS.
+    reps = min(max(reps, math.ceil(MIN_CELL_SECONDS / max(warm))), MAX_REPS)
     times = {who: [] for who in steps}
     for _ in range(reps):
         for who, step in steps.items():
@@ -172,6 +190,7 @@ def time_cell(kind, shape, policy, step_kind, reps):
         "keras_ms": keras_ms,
         "ratio": ours_ms / keras_ms,
         "max_output_difference": error,
+        "reps": reps,
     }
 
 
@@ -208,24 +227,41 @@ def print_summary(summary):
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 shapes per layer")
-    parser.add_argument("--reps", type=int, default=None, help="default 5 (quick 3)")
+    parser.add_argument("--reps", type=int, default=None, help="minimum, default 3")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
     parser.add_argument("--layers", nargs="+", default=list(GRID), choices=GRID)
+    parser.add_argument(
+        "--no-calibrate", action="store_true", help="skip measuring the paths"
+    )
     parser.add_argument("--output", type=pathlib.Path, default=None)
     return parser.parse_args()
 
 
+def calibrate(quick):
+    """Measure the graph-step paths into a fresh cache directory; return cells."""
+    os.environ["KERAS_AMP_PLUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kap_paths_")
+    result = _path_calibration.measure_paths(
+        seconds=10.0 if quick else 40.0, reps=3 if quick else 7
+    )
+    print("measured graph-step paths (CPU time / Keras's formula's):")
+    for cell in result["cells"]:
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in cell["ratios"].items())
+        print(f"  {cell['dtype']:<9} {cell['shape']!s:<18} {ratios} -> {cell['path']}")
+    return result["cells"]
+
+
 def main():
     args = parse_args()
-    reps = args.reps or (3 if args.quick else 5)
+    reps = args.reps or 3
     info = print_header("Layers vs Keras's, forward + backward, CPU time ratio")
     kind_tag = cpu_kind(info)
     suffix = "_quick" if args.quick else ""
     output = args.output or RESULTS / f"layers_{kind_tag}{suffix}.json"
     grid = QUICK_GRID if args.quick else GRID
-    rows = []
     start = time.time()
+    calibration = None if args.no_calibrate else calibrate(args.quick)
+    rows = []
     print(
         f"\n{'layer':<6} {'shape':<20} {'policy':<15} {'step':<6} "
         f"{'ours ms':>8} {'keras ms':>9} {'ratio':>6}"
@@ -255,6 +291,7 @@ def main():
         "quick": args.quick,
         "command": " ".join(["python", *sys.argv]),
         "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+        "path_calibration": calibration,
     }
     table = [
         {"layer": k, "step": s, "policy": p, "worst": w, "median": m, "worst_at": a}

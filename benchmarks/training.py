@@ -253,13 +253,14 @@ QUICK_SIZES = {
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="default 5")
-    parser.add_argument("--steps", type=int, default=None, help="default 8")
+    parser.add_argument("--rounds", type=int, default=None, help="default 4")
+    parser.add_argument("--steps", type=int, default=None, help="default 6")
     parser.add_argument("--models", nargs="+", default=list(SIZES), choices=SIZES)
     parser.add_argument("--output", type=pathlib.Path, default=None)
     args = parser.parse_args()
-    rounds = args.rounds or (2 if args.quick else 5)
-    steps = args.steps or (4 if args.quick else 8)
+    # The defaults keep a full run under 10 minutes on 2 loaded cores.
+    rounds = args.rounds or (2 if args.quick else 4)
+    steps = args.steps or (4 if args.quick else 6)
     sizes = QUICK_SIZES if args.quick else SIZES
     info = print_header("End-to-end training steps per CPU second")
     tag = cpu_kind(info) + ("_quick" if args.quick else "")

@@ -232,6 +232,89 @@ def _facts(features):
     }
 
 
+@pytest.mark.parametrize(
+    "speedup, expected, words",
+    [
+        (1.6, True, "ran 1.6x faster than without here (mixed_bfloat16): pass"),
+        (1.05, False, "about as fast as (1.05x) without here"),
+        (0.5, False, "ran 2.0x slower than without here"),
+    ],
+)
+def test_jit_recommended_only_where_it_measured_faster(speedup, expected, words):
+    jit_probe = {"policy": "mixed_bfloat16", "speedup": speedup}
+    advice = recommend({"bfloat16": 4.0}, jit_probe=jit_probe)
+    assert advice["jit_compile"] is expected
+    (note,) = [n for n in advice["notes"] if "jit_compile" in n]
+    assert words in note
+    assert ("pass jit_compile=True" in note) is expected
+
+
+def test_jit_unmeasured_gives_no_advice_failed_probe_keeps_it_off():
+    assert recommend({"bfloat16": 4.0})["jit_compile"] is None
+    failed = {"policy": "float32", "error": "InvalidArgumentError: no kernel"}
+    advice = recommend({"bfloat16": 4.0}, jit_probe=failed)
+    assert advice["jit_compile"] is None
+    assert any("could not be measured" in note for note in advice["notes"])
+
+
+def test_doctor_passes_the_probe_result_to_the_advice(monkeypatch, tmp_path):
+    from keras_amp_plus.cli import _jit_probe
+
+    monkeypatch.setenv("KERAS_AMP_PLUS_CACHE_DIR", str(tmp_path))
+    seen = {}
+
+    def fake_probe(seconds, policy):
+        seen["policy"] = policy
+        return {
+            "policy": policy,
+            "graph_ms": 30.0,
+            "jit_ms": 10.0,
+            "speedup": 3.0,
+            "rounds": 3,
+        }
+
+    monkeypatch.setattr(_jit_probe, "probe_jit_speedup", fake_probe)
+    monkeypatch.setattr(
+        doctor,
+        "layer_paths_status",
+        lambda seconds, itex: {"cache": "x", "measured_now": False, "cells": []},
+    )
+    facts = doctor.gather_facts(probe_seconds=0.2, probe_size=128)
+    assert seen["policy"] == facts["recommendation"]["policy"]
+    assert facts["recommendation"]["jit_compile"] is True
+    text = doctor_text.render(facts)
+    assert "30.0 CPU ms per step without, 10.0 with jit_compile=True" in text
+    assert "pass jit_compile=True to compile()" in text
+
+
+def test_layer_paths_not_measured_with_itex_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_AMP_PLUS_CACHE_DIR", str(tmp_path))
+    status = doctor.layer_paths_status(5.0, {"version": "2.15", "importable": True})
+    assert status["cells"] == [] and "ITEX" in status["skipped"]
+    assert os.listdir(tmp_path) == []
+    facts = {"layer_paths": status}
+    assert "not measured: ITEX is loaded" in doctor_text._layer_paths_line(
+        facts["layer_paths"]
+    )
+    cells = [{"path": "batch_norm"}, {"path": "keras_formula"}, {"path": "batch_norm"}]
+    line = doctor_text._layer_paths_line(
+        {"cache": "c", "measured_now": True, "cells": cells}
+    )
+    assert line == "fastest at 3 shapes: batch_norm 2, keras_formula 1 (measured now)"
+
+
+def test_jit_probe_measures_both_modes_and_restores_the_policy():
+    from keras_amp_plus.cli import _jit_probe
+
+    before = keras.config.dtype_policy().name
+    result = _jit_probe.probe_jit_speedup(seconds=0.1, policy="mixed_bfloat16")
+    assert keras.config.dtype_policy().name == before
+    assert result["policy"] == "mixed_bfloat16"
+    assert result["rounds"] >= _jit_probe.MIN_ROUNDS
+    assert result["graph_ms"] > 0 and result["jit_ms"] > 0
+    assert result["speedup"] == pytest.approx(result["graph_ms"] / result["jit_ms"])
+
+
 def test_render_text():
     text = doctor_text.render(_facts({"features": None}))
     assert "CPU features    unknown (no /proc/cpuinfo on Darwin)" in text
@@ -269,8 +352,13 @@ def _run_doctor(*args, env_updates=None):
     )
 
 
-def test_doctor_json_on_this_machine():
-    completed = _run_doctor("--json", "--probe-seconds", "0.5")
+def test_doctor_json_on_this_machine(tmp_path):
+    completed = _run_doctor(
+        "--json",
+        "--probe-seconds",
+        "0.5",
+        env_updates={"KERAS_AMP_PLUS_CACHE_DIR": str(tmp_path)},
+    )
     assert completed.returncode == 0, completed.stderr
     facts = json.loads(completed.stdout)
     assert set(facts) == {
@@ -280,8 +368,24 @@ def test_doctor_json_on_this_machine():
         "devices",
         "xla",
         "probe",
+        "jit_probe",
+        "layer_paths",
         "recommendation",
     }
+    jit_probe = facts["jit_probe"]
+    assert jit_probe["policy"] == facts["recommendation"]["policy"]
+    assert jit_probe["speedup"] == pytest.approx(
+        jit_probe["graph_ms"] / jit_probe["jit_ms"]
+    )
+    assert facts["recommendation"]["jit_compile"] is (
+        jit_probe["speedup"] >= cpu_features.FASTER_THRESHOLD
+    )
+    # The layers' path measurement ran (empty cache) and was cached there.
+    layer_paths = facts["layer_paths"]
+    assert layer_paths["measured_now"] and layer_paths["cells"]
+    assert layer_paths["cache"].startswith(str(tmp_path))
+    with open(layer_paths["cache"], encoding="utf-8") as file:
+        assert json.load(file)["cells"] == layer_paths["cells"]
     assert facts["versions"]["tensorflow"] == tf.__version__
     assert facts["versions"]["keras"] == keras.__version__
     assert facts["versions"]["keras_backend"] == "tensorflow"

@@ -5,15 +5,31 @@ references with float32 statistics, in graph steps and inside XLA-compiled
 steps; the choice must follow the rules in `_path_choice`.
 """
 
+import json
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_layers_numerics import _check_normalization, _policy
+from test_layers_numerics import (
+    _assert_close,
+    _check_normalization,
+    _f64,
+    _inputs,
+    _policy,
+    _swish_reference,
+)
 
 from keras_amp_plus import layers
-from keras_amp_plus.layers import _path_choice
+from keras_amp_plus.layers import _batch_norm_formula, _path_calibration, _path_choice
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache_dir(tmp_path, monkeypatch):
+    """No measured paths unless a test writes them (the user's cache is not read)."""
+    monkeypatch.setenv("KERAS_AMP_PLUS_CACHE_DIR", str(tmp_path))
 
 
 class _StepWrapped:
@@ -33,12 +49,19 @@ class _StepWrapped:
 # Inputs far from zero: the kernels subtract the mean first and pass on
 # N(1000, 1); Keras's formula cancels `x * inv` against `mean * inv` there (as
 # Keras's own layers do), so it is held to the same tolerance on N(100, 1).
-_FAR_MEAN = {_path_choice.FUSED_KERNELS: 1000.0, _path_choice.KERAS_FORMULA: 100.0}
+# TensorFlow's batch-norm kernel (instance norm's third path) passes N(1000, 1)
+# as well.
+_FAR_MEAN = {
+    _path_choice.FUSED_KERNELS: 1000.0,
+    _path_choice.KERAS_FORMULA: 100.0,
+    _path_choice.BATCH_NORM: 1000.0,
+}
 
 
 @pytest.mark.parametrize("jit_compile", (False, True))
 @pytest.mark.parametrize(
-    "path", (_path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA)
+    "path",
+    (_path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM),
 )
 @pytest.mark.parametrize("policy_name", POLICIES)
 def test_each_path_matches_float64_in_graph_and_xla(
@@ -54,7 +77,14 @@ def test_each_path_matches_float64_in_graph_and_xla(
         _check_normalization(inorm, shape, mean, policy, (1, 2), params)
 
 
-def _path_taken(jit_compile, elements_threshold, monkeypatch, trailing=True):
+def _path_taken(
+    jit_compile,
+    elements_threshold,
+    monkeypatch,
+    trailing=True,
+    dtype="float32",
+    batch_norm_applies=False,
+):
     """Return the path `normalization_path` picks for a (8, 16) input."""
     monkeypatch.setattr(_path_choice, "DOT_SUM_MIN_ELEMENTS", elements_threshold)
     taken = []
@@ -62,7 +92,11 @@ def _path_taken(jit_compile, elements_threshold, monkeypatch, trailing=True):
     @tf.function(jit_compile=jit_compile)
     def step(x):
         elements = x.shape.num_elements()
-        taken.append(_path_choice.normalization_path(elements, trailing))
+        taken.append(
+            _path_choice.normalization_path(
+                elements, trailing, dtype, batch_norm_applies
+            )
+        )
         return x
 
     step(tf.zeros([8, 16]))
@@ -73,6 +107,142 @@ def test_inside_xla_keras_formula_below_dot_size(monkeypatch):
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
     assert _path_taken(True, 1000, monkeypatch) == _path_choice.KERAS_FORMULA
     assert _path_taken(True, 128, monkeypatch) == _path_choice.FUSED_KERNELS
+
+
+def test_inside_xla_instance_norm_always_keras_formula(monkeypatch):
+    # Statistics over middle axes: the kernels never beat XLA's fusion of the
+    # formula inside a compiled model, whatever the size.
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    for threshold in (1000, 128):
+        taken = _path_taken(True, threshold, monkeypatch, trailing=False)
+        assert taken == _path_choice.KERAS_FORMULA
+
+
+def _write_measurements(cells):
+    path = _path_calibration.cache_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump({"cells": cells}, file)
+
+
+def _cell(trailing, dtype, elements, path):
+    return {"trailing": trailing, "dtype": dtype, "elements": elements, "path": path}
+
+
+def test_graph_step_follows_the_measured_winner(monkeypatch):
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    monkeypatch.setattr(_path_choice, "cpu_has_avx512", lambda: True)
+    kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
+    # The rule (AVX-512, trailing axes) would pick the kernels; measured:
+    # the formula for bfloat16 around 128 elements, the kernels for float32.
+    _write_measurements(
+        [
+            _cell(True, "bfloat16", 128, formula),
+            _cell(True, "float32", 128, kernels),
+            _cell(False, "bfloat16", 128, kernels),
+        ]
+    )
+    assert _path_taken(False, 1000, monkeypatch, True, "bfloat16") == formula
+    assert _path_taken(False, 1000, monkeypatch, True, "float16") == formula
+    assert _path_taken(False, 1000, monkeypatch, True, "float32") == kernels
+    # Instance norm: the rule says the formula, the measurement the kernels.
+    assert _path_taken(False, 1000, monkeypatch, False, "bfloat16") == kernels
+    # Nothing measured for float32 instance norm: the rule.
+    assert _path_taken(False, 1000, monkeypatch, False, "float32") == formula
+    # Inside XLA the measurement (of graph steps) does not apply.
+    assert _path_taken(True, 1000, monkeypatch, True, "bfloat16") == formula
+
+
+def test_measurements_far_from_the_size_do_not_apply(monkeypatch):
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    monkeypatch.setattr(_path_choice, "cpu_has_avx512", lambda: True)
+    _write_measurements([_cell(True, "float32", 2**20, _path_choice.KERAS_FORMULA)])
+    # 128 elements is 13 octaves away: the rule (kernels) decides.
+    assert _path_taken(False, 1000, monkeypatch) == _path_choice.FUSED_KERNELS
+
+
+def test_measure_paths_caches_winners_per_machine(monkeypatch):
+    monkeypatch.setattr(_path_calibration, "TRAILING_SHAPES", ((16, 8),))
+    monkeypatch.setattr(_path_calibration, "MIDDLE_SHAPES", ((2, 4, 4, 8),))
+    monkeypatch.setattr(_path_calibration, "DTYPES", ("bfloat16",))
+    result = _path_calibration.measure_paths(seconds=60.0, reps=1)
+    assert [cell["shape"] for cell in result["cells"]] == [[16, 8], [2, 4, 4, 8]]
+    with open(_path_calibration.cache_path(), encoding="utf-8") as file:
+        cached = json.load(file)["cells"]
+    assert cached == result["cells"]
+    assert set(cached[0]["ratios"]) == {"fused_kernels", "keras_formula"}
+    assert set(cached[1]["ratios"]) == {"fused_kernels", "keras_formula", "batch_norm"}
+    for cell in cached:
+        fastest = min(cell["ratios"], key=cell["ratios"].get)
+        expected = (
+            fastest
+            if cell["ratios"][fastest] < _path_calibration.WIN_MARGIN
+            else _path_choice.KERAS_FORMULA
+        )
+        assert cell["path"] == expected
+        found = _path_calibration.measured_path(128, cell["trailing"], "bfloat16")
+        assert found == cell["path"]
+
+
+def test_measure_paths_refuses_to_run_inside_a_trace():
+    @tf.function
+    def step():
+        _path_calibration.measure_paths(seconds=1.0)
+        return tf.constant(0)
+
+    with pytest.raises(RuntimeError, match="must run eagerly"):
+        step()
+
+
+@pytest.mark.parametrize("trainable_beta", (True, False))
+@pytest.mark.parametrize("policy_name", POLICIES)
+def test_swish_inside_xla_matches_float64(policy_name, trainable_beta):
+    policy = _policy(policy_name)
+    compute = policy.compute_dtype
+    layer = layers.Swish(beta=1.5, trainable_beta=trainable_beta)
+    x, upstream, _, upstream64 = _inputs((64, 32), 0.0, compute)
+    x = x * 4.0
+    layer.build(x.shape)
+
+    @tf.function(jit_compile=True)
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = layer(x)
+        sources = [x, *layer.trainable_weights]
+        grads = tape.gradient(outputs, sources, output_gradients=upstream)
+        return outputs, grads
+
+    outputs, grads = step(x, upstream)
+    x_grad = grads[0]
+    assert outputs.dtype == compute and x_grad.dtype == compute
+    outputs64, x_grad64, beta_grad64 = _swish_reference(_f64(x), upstream64, 1.5)
+    if compute == "float16" and not trainable_beta:
+        # Keras's float16 arithmetic there: a few float16 roundings.
+        for actual, expected in ((outputs, outputs64), (x_grad, x_grad64)):
+            error = np.abs(_f64(actual) - expected)
+            scale = np.abs(expected) + np.abs(expected).max() / 64
+            worst = float((error / scale).max() / 2.0**-11)
+            assert worst <= 12, f"{worst:.2f} float16 roundings"
+        return
+    _assert_close(outputs, outputs64, compute, "outputs")
+    _assert_close(x_grad, x_grad64, compute, "x gradient")
+    if not trainable_beta:
+        return
+    beta_grad = grads[1]
+    _assert_close(
+        np.array(_f64(beta_grad)), np.array(beta_grad64), "float32", "beta", 256
+    )
+
+
+def test_swish_inside_xla_is_plain_ops_for_xla_to_fuse():
+    # No call into the layer's own compiled kernels inside a compiled model.
+    layer = layers.Swish()
+    step = tf.function(lambda x: layer(x), jit_compile=True)
+    graph = step.get_concrete_function(tf.zeros([4, 8], "bfloat16")).graph
+    op_types = {op.type for op in graph.get_operations()}
+    assert not op_types & {"PartitionedCall", "StatefulPartitionedCall"}
+    assert "Sigmoid" in op_types
 
 
 def test_graph_step_path_follows_cpu_features_and_axes(monkeypatch):
@@ -88,6 +258,56 @@ def test_graph_step_path_follows_cpu_features_and_axes(monkeypatch):
         assert _path_taken(False, 1000, monkeypatch, trailing) == expected
         # Large inputs: the kernels on every CPU.
         assert _path_taken(False, 128, monkeypatch, trailing) == kernels
+
+
+def test_graph_step_instance_norm_takes_batch_norm_from_its_size(monkeypatch):
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    monkeypatch.setattr(
+        _path_choice, "BATCH_NORM_MIN_ELEMENTS", {"half": 64, "float32": 256}
+    )
+    bn, formula = _path_choice.BATCH_NORM, _path_choice.KERAS_FORMULA
+    for dtype, applies, expected in (
+        ("bfloat16", True, bn),  # 128 elements >= 64
+        ("float16", True, bn),
+        ("float32", True, formula),  # 128 < 256
+        ("bfloat16", False, formula),  # e.g. epsilon below the kernel's minimum
+    ):
+        taken = _path_taken(False, 1000, monkeypatch, False, dtype, applies)
+        assert taken == expected, (dtype, applies)
+    # Never inside XLA (Keras's formula there) nor for layer norm.
+    assert _path_taken(True, 1000, monkeypatch, False, "bfloat16", True) == formula
+    monkeypatch.setattr(_path_choice, "cpu_has_avx512", lambda: False)
+    assert _path_taken(False, 1000, monkeypatch, True, "bfloat16", False) == formula
+
+
+def test_batch_norm_path_only_where_the_kernel_applies(monkeypatch):
+    monkeypatch.setenv(_path_choice.PATH_VARIABLE, _path_choice.BATCH_NORM)
+    assert _path_taken(False, 1000, monkeypatch, False, "float32", True) == "batch_norm"
+    taken = _path_taken(False, 1000, monkeypatch, False, "float32", False)
+    assert taken == _path_choice.FUSED_KERNELS
+    x = tf.zeros([2, 4, 4, 8])
+    gamma = tf.ones([1, 1, 1, 8])
+    assert _batch_norm_formula.applies(x, gamma, 1e-3, (1, 2))
+    assert not _batch_norm_formula.applies(x, gamma, 1e-6, (1, 2))  # epsilon
+    assert not _batch_norm_formula.applies(x, gamma, 1e-3, (2, 3))  # not middle
+    x64, gamma64 = tf.zeros([2, 4, 4, 8], "float64"), tf.ones([1, 1, 1, 8], "float64")
+    assert not _batch_norm_formula.applies(x64, gamma64, 1e-3, (1, 2))
+
+
+@pytest.mark.parametrize("policy_name", POLICIES)
+def test_batch_norm_path_with_unknown_batch_matches_float64(policy_name, monkeypatch):
+    # Keras traces `fit` steps with an unknown batch size.
+    monkeypatch.setenv(_path_choice.PATH_VARIABLE, _path_choice.BATCH_NORM)
+    policy = _policy(policy_name)
+    layer = layers.InstanceNormalization()
+    compute = policy.compute_dtype
+    step = tf.function(
+        lambda x: layer(x),
+        input_signature=[tf.TensorSpec([None, 8, 8, 16], compute)],
+    )
+    wrapped = _StepWrapped(layer, False)
+    wrapped.call_in_step = step
+    _check_normalization(wrapped, (4, 8, 8, 16), 1000.0, policy, (1, 2), (1, 1, 1, 16))
 
 
 def test_graph_rewrite_keeps_the_kernels(monkeypatch):

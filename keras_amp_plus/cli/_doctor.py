@@ -146,21 +146,65 @@ def fit_xla_status() -> dict:
     return {"jit_compile": bool(model.jit_compile)}
 
 
+# The layers' path measurement gets this many times the probe budget.
+LAYER_PATHS_BUDGET_FACTOR = 20
+
+
+def layer_paths_status(seconds: float, itex: dict | None = None) -> dict:
+    """Return the layers' measured graph-step paths, measuring them if needed.
+
+    The measurement is cached per CPU model, TensorFlow version and oneDNN
+    state (`keras_amp_plus.layers._path_calibration`); the doctor runs it
+    once, the layers read it when a model is traced.
+
+    Args:
+        seconds: wall-time budget when the measurement has to run.
+        itex: `itex_status()`. With ITEX loaded nothing is measured: its own
+            kernels replace TensorFlow's, and where its bfloat16 kernels
+            abort the process a bfloat16 step would end the doctor.
+
+    Returns:
+        `{"cache", "measured_now", "cells"}`, plus `"skipped"` (why) when
+        nothing was measured on purpose.
+    """
+    from keras_amp_plus.layers import _path_calibration
+
+    if itex is not None and itex.get("importable"):
+        return {
+            "cache": None,
+            "measured_now": False,
+            "cells": [],
+            "skipped": "ITEX is loaded: its kernels replace TensorFlow's",
+        }
+
+    path = _path_calibration.cache_path()
+    cells = _path_calibration.cached_cells()
+    measured_now = not cells
+    if measured_now:
+        cells = _path_calibration.measure_paths(seconds=seconds)["cells"]
+    return {"cache": path, "measured_now": measured_now, "cells": cells}
+
+
 def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
     """Collect everything the doctor reports, including the recommendation.
 
     The probe's bfloat16 figure is cached on disk for `AMPMonitor`'s check
-    (`keras_amp_plus._hardware.bfloat16_outlook`).
+    (`keras_amp_plus._hardware.bfloat16_outlook`), and so are the layers'
+    measured paths. The jit probe trains under the policy recommended.
 
     Args:
-        probe_seconds: time budget of the matmul probe. Defaults to `2.0`.
+        probe_seconds: time budget of the matmul probe and of the jit probe
+            (each); the layers' path measurement, when not cached yet, gets
+            `LAYER_PATHS_BUDGET_FACTOR` times it. Defaults to `2.0`.
         probe_size: side of the probe's square matrices. Defaults to `1024`.
 
     Returns:
         A JSON-serializable dict with keys `"versions"`, `"onednn"`, `"cpu"`,
-        `"devices"`, `"xla"`, `"probe"` and `"recommendation"`.
+        `"devices"`, `"xla"`, `"probe"`, `"jit_probe"`, `"layer_paths"` and
+        `"recommendation"`.
     """
     from keras_amp_plus import _matmul_probe
+    from keras_amp_plus.cli import _jit_probe
 
     stack = versions()
     facts = {
@@ -178,13 +222,20 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
         dtype: result.get("speedup_vs_float32")
         for dtype, result in facts["probe"]["results"].items()
     }
-    facts["recommendation"] = recommendation.recommend(
-        speedups,
+    facts_for_advice = dict(
         features=facts["cpu"]["features"],
         onednn=facts["onednn"]["enabled"],
         fit_uses_xla=facts["xla"]["jit_compile"],
         onednn_env=facts["onednn"]["TF_ENABLE_ONEDNN_OPTS"],
         itex_bfloat16=stack["itex"].get("bfloat16"),
+    )
+    policy = recommendation.recommend(speedups, **facts_for_advice)["policy"]
+    facts["jit_probe"] = _jit_probe.probe_jit_speedup(probe_seconds, policy)
+    facts["layer_paths"] = layer_paths_status(
+        LAYER_PATHS_BUDGET_FACTOR * probe_seconds, stack["itex"]
+    )
+    facts["recommendation"] = recommendation.recommend(
+        speedups, jit_probe=facts["jit_probe"], **facts_for_advice
     )
     return facts
 

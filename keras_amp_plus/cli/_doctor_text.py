@@ -75,6 +75,34 @@ def _probe_lines(probe: dict) -> list:
     return lines
 
 
+def _jit_probe_line(jit_probe: dict | None) -> str:
+    """Return the jit probe's figures: CPU ms per step off and on."""
+    if jit_probe is None:
+        return "not measured"
+    if "error" in jit_probe:
+        return f"{jit_probe['policy']}: not available: {jit_probe['error'][:60]}"
+    return (
+        f"{jit_probe['policy']}: {jit_probe['graph_ms']:.1f} CPU ms per step "
+        f"without, {jit_probe['jit_ms']:.1f} with jit_compile=True "
+        f"({jit_probe['speedup']:.2f}x, {jit_probe['rounds']} rounds)"
+    )
+
+
+def _layer_paths_line(layer_paths: dict | None) -> str:
+    """Return how many measured graph-step shapes each path won."""
+    if layer_paths is None:
+        return "not measured"
+    if layer_paths.get("skipped"):
+        return f"not measured: {layer_paths['skipped']}"
+    cells = layer_paths["cells"]
+    wins = {}
+    for cell in cells:
+        wins[cell["path"]] = wins.get(cell["path"], 0) + 1
+    counts = ", ".join(f"{path} {count}" for path, count in sorted(wins.items()))
+    when = "measured now" if layer_paths["measured_now"] else "cached"
+    return f"fastest at {len(cells)} shapes: {counts or 'none'} ({when})"
+
+
 def render(facts: dict) -> str:
     """Return the doctor's report as plain text.
 
@@ -96,6 +124,8 @@ def render(facts: dict) -> str:
         ("CPU features", _features_line(cpu)),
         ("Devices", devices or "none"),
         ("XLA in fit", _xla_line(facts["xla"])),
+        ("jit probe", _jit_probe_line(facts.get("jit_probe"))),
+        ("Layer paths", _layer_paths_line(facts.get("layer_paths"))),
     ]
     lines = ["keras_amp_plus doctor", ""]
     lines += [f"  {label:<16}{value}" for label, value in rows]

@@ -127,6 +127,46 @@ def _itex_warning(itex_bfloat16: Mapping) -> str:
     )
 
 
+def jit_advice(jit_probe: Mapping | None) -> tuple:
+    """Return (whether to pass `jit_compile=True`, the sentence saying why).
+
+    Only a measured, clear speed-up recommends it; no measurement, a failed
+    one or a speed-up inside the noise band keeps Keras's CPU default (off).
+
+    Args:
+        jit_probe: `keras_amp_plus.cli._jit_probe.probe_jit_speedup`'s result,
+            or None when it did not run.
+
+    Example:
+    >>> jit_advice({"policy": "mixed_bfloat16", "speedup": 1.4})[0]
+    True
+    >>> jit_advice({"policy": "float32", "speedup": 0.8})[1].split(": ")[-1]
+    'keep jit_compile=False'
+    """
+    if jit_probe is None:
+        return None, None
+    policy = jit_probe.get("policy")
+    speedup = jit_probe.get("speedup")
+    if speedup is None:
+        return None, (
+            f"jit_compile=True could not be measured here ({policy}: "
+            f"{jit_probe.get('error')}): keep jit_compile=False"
+        )
+    if speedup >= FASTER_THRESHOLD:
+        return True, (
+            f"a training step with jit_compile=True ran {speedup:.1f}x faster "
+            f"than without here ({policy}): pass jit_compile=True to compile()"
+        )
+    if speedup <= SLOWER_THRESHOLD:
+        how = f"{1.0 / speedup:.1f}x slower than"
+    else:
+        how = f"about as fast as ({speedup:.2f}x)"
+    return False, (
+        f"a training step with jit_compile=True ran {how} without here "
+        f"({policy}): keep jit_compile=False"
+    )
+
+
 def recommend(
     speedups: Mapping[str, float | None],
     features: Mapping[str, bool] | None = None,
@@ -134,6 +174,7 @@ def recommend(
     fit_uses_xla: bool = False,
     onednn_env: str | None = None,
     itex_bfloat16: Mapping | None = None,
+    jit_probe: Mapping | None = None,
 ) -> dict:
     """Recommend a Keras dtype policy from the machine's facts.
 
@@ -149,12 +190,17 @@ def recommend(
             so the advice names the right fix. Defaults to `None`.
         itex_bfloat16: on the ITEX stack, the bfloat16 probe's answer
             (`{"works", "backend", "reason"}`). Defaults to `None` (no ITEX).
+        jit_probe: the measured training step with `jit_compile` off and on
+            (`keras_amp_plus.cli._jit_probe.probe_jit_speedup`). Defaults to
+            `None` (not measured: no advice about `jit_compile`).
 
     Returns:
         A dict with `"policy"` (`"float32"`, `"mixed_bfloat16"` or
         `"mixed_float16"`), `"verdict"` (bfloat16 vs float32: "faster",
-        "slower", "no clear difference" or "unknown"), `"summary"` (one
-        sentence), `"warnings"` and `"notes"` (lists of sentences).
+        "slower", "no clear difference" or "unknown"), `"jit_compile"`
+        (True where it measured clearly faster, False where not, None when
+        unmeasured), `"summary"` (one sentence), `"warnings"` and `"notes"`
+        (lists of sentences).
 
     Example:
     >>> advice = recommend({"bfloat16": 4.3, "float16": 0.4})
@@ -174,7 +220,8 @@ def recommend(
             "(grappler/ITEX op lists) does not touch XLA functions; pass "
             "jit_compile=False to compile() to use op-level lists"
         )
-    notes = [note for note in [_float16_note(float16, policy)] if note]
+    jit_compile, jit_note = jit_advice(jit_probe)
+    notes = [note for note in [_float16_note(float16, policy), jit_note] if note]
     if itex_bfloat16 is not None and not itex_bfloat16.get("works"):
         policy = "float32"
         warnings.append(_itex_warning(itex_bfloat16))
@@ -186,6 +233,7 @@ def recommend(
     return {
         "policy": policy,
         "verdict": verdict,
+        "jit_compile": jit_compile,
         "summary": _summary(
             verdict, bfloat16, float16, policy, reason, _instead(features, onednn)
         ),

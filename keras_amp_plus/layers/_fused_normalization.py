@@ -22,7 +22,12 @@ Keras's layers, `fused_normalize` runs Keras's formula instead
 
 import tensorflow as tf
 
-from keras_amp_plus.layers import _keras_formula, _path_choice, _row_buckets
+from keras_amp_plus.layers import (
+    _batch_norm_formula,
+    _keras_formula,
+    _path_choice,
+    _row_buckets,
+)
 
 
 def _sum_over_axes(t, axes):
@@ -153,7 +158,14 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
         )
 
     trailing = stat_axes == tuple(range(x.shape.rank - len(stat_axes), x.shape.rank))
-    path = _path_choice.normalization_path(x.shape.num_elements(), trailing)
+    batch_norm_applies = _batch_norm_formula.applies(x, gamma, epsilon, stat_axes)
+    path = _path_choice.normalization_path(
+        x.shape.num_elements(), trailing, x.dtype, batch_norm_applies
+    )
+    if path == _path_choice.BATCH_NORM:
+        return _batch_norm_formula.batch_norm_normalize(
+            x, gamma, beta, epsilon, stat_axes, output_dtype
+        )
     if path == _path_choice.KERAS_FORMULA:
         return _keras_formula.keras_formula_normalize(
             x, gamma, beta, epsilon, stat_axes, output_dtype

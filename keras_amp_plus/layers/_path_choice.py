@@ -1,28 +1,35 @@
 """Which implementation a normalization runs at a shape, on this CPU.
 
-Two implementations compute the same result with float32 statistics: the
-fused XLA kernels (`_fused_normalization`) and Keras's own formula
-(`_keras_formula`). Which one is faster depends on where the layer runs and
-on the CPU, as measured by `benchmarks/layers.py` on each kind of machine:
+Three implementations compute the same result with float32 statistics: the
+fused XLA kernels (`_fused_normalization`), Keras's own formula
+(`_keras_formula`) and, for instance norm, TensorFlow's fused batch-norm
+kernel (`_batch_norm_formula`). Which one is faster depends on where the layer runs, on
+the shape and on the CPU, as measured by `benchmarks/layers.py` on each kind
+of machine:
 
-- In a step XLA compiles whole (`jit_compile=True`), the kernels' functions
-  are inlined into the model's cluster, and XLA fuses Keras's formula with
-  its neighbours as well. The kernels win there only where their sums run as
-  matrix products (from `DOT_SUM_MIN_ELEMENTS` on); below that, Keras's
-  formula.
-- In a graph step (no XLA around), the kernels replace a dozen separate
-  passes over memory. For statistics over the trailing axes (layer norm) on
-  CPUs with AVX-512 they win at every size of the benchmark's grid. Without
-  AVX-512 (where TensorFlow also turns oneDNN off), and for statistics over
-  middle axes (instance norm: height and width, channels last), XLA's
-  reductions are slower than TensorFlow's and the kernels win only from
-  `DOT_SUM_MIN_ELEMENTS` on; below, Keras's formula.
+- In a step XLA compiles whole (`jit_compile=True`), XLA fuses Keras's
+  formula with its neighbours, and the kernels' functions are only inlined
+  into the model's cluster: they win there only for statistics over trailing
+  axes (layer norm) whose sums run as matrix products (from
+  `DOT_SUM_MIN_ELEMENTS` on). Everywhere else inside XLA, Keras's formula.
+- In a graph step (no XLA around), from `DOT_SUM_MIN_ELEMENTS` on the
+  kernels win on every CPU measured. Below it the race is close and differs
+  between CPUs: where `_path_calibration` measured it on this CPU model and
+  TensorFlow version (the doctor runs it), the measured winner; otherwise
+  a rule. For statistics over trailing axes (layer norm): the kernels on
+  CPUs with AVX-512 (the Intel Xeon measurements), Keras's formula on CPUs
+  without (the AMD EPYC measurements of issue 10: the kernels were 1.1-1.8x
+  slower there). For statistics over middle axes (instance norm, channels
+  last), XLA's reductions are slower than TensorFlow's, and TensorFlow's
+  fused batch-norm kernel (`_batch_norm_formula`) wins from
+  `BATCH_NORM_MIN_ELEMENTS` on; below, Keras's formula.
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
   leaves XLA-compiled functions alone.
 
-`KERAS_AMP_PLUS_NORMALIZATION_PATH` (`auto`, the default, `fused_kernels` or
-`keras_formula`), read when a function is traced, overrides the choice.
+`KERAS_AMP_PLUS_NORMALIZATION_PATH` (`auto`, the default, `fused_kernels`,
+`keras_formula` or `batch_norm`), read when a function is traced, overrides
+the choice (`batch_norm` where it applies outside XLA, else the kernels).
 """
 
 import functools
@@ -31,9 +38,17 @@ import os
 import tensorflow as tf
 
 from keras_amp_plus import _compat, _hardware
+from keras_amp_plus.layers import _path_calibration
 
-FUSED_KERNELS = "fused_kernels"
-KERAS_FORMULA = "keras_formula"
+FUSED_KERNELS = _path_calibration.FUSED_KERNELS
+KERAS_FORMULA = _path_calibration.KERAS_FORMULA
+BATCH_NORM = _path_calibration.BATCH_NORM
+_PATHS = (FUSED_KERNELS, KERAS_FORMULA, BATCH_NORM)
+
+# Without a measurement, instance norm (in a graph step, below the dot size)
+# runs TensorFlow's batch-norm kernel from these sizes on: half-width inputs
+# (bfloat16, float16) and float32 inputs.
+BATCH_NORM_MIN_ELEMENTS = {"half": 2**18, "float32": 2**21}
 PATH_VARIABLE = "KERAS_AMP_PLUS_NORMALIZATION_PATH"
 
 # Below this many elements XLA's CPU backend emits a (rows, n) x (n, 1) dot as
@@ -66,17 +81,20 @@ def _forced_path():
     value = os.environ.get(PATH_VARIABLE, "auto").strip().lower()
     if value in ("", "auto"):
         return None
-    if value not in (FUSED_KERNELS, KERAS_FORMULA):
+    if value not in _PATHS:
         raise ValueError(
-            f"`{PATH_VARIABLE}` must be 'auto', '{FUSED_KERNELS}' or "
-            f"'{KERAS_FORMULA}'. Unset it to let the layers choose. "
+            f"`{PATH_VARIABLE}` must be 'auto', '{FUSED_KERNELS}', "
+            f"'{KERAS_FORMULA}' or '{BATCH_NORM}' (instance norm, channels "
+            "last). Unset it to let the layers choose. "
             f"Received: {PATH_VARIABLE}={value!r}"
         )
     return value
 
 
-def normalization_path(elements, trailing_statistics: bool = True) -> str:
-    """Return `FUSED_KERNELS` or `KERAS_FORMULA` for an input of `elements`.
+def normalization_path(
+    elements, trailing_statistics=True, dtype="float32", batch_norm_applies=False
+) -> str:
+    """Return `FUSED_KERNELS`, `KERAS_FORMULA` or `BATCH_NORM` for an input.
 
     Args:
         elements: the input's number of elements, or None when unknown at
@@ -84,6 +102,10 @@ def normalization_path(elements, trailing_statistics: bool = True) -> str:
         trailing_statistics: whether the statistics are taken over the
             input's trailing axes (layer norm) rather than middle ones
             (instance norm). Defaults to `True`.
+        dtype: the input's dtype, for the measured choice. Defaults to
+            `"float32"`.
+        batch_norm_applies: whether the input can take `BATCH_NORM`
+            (`_batch_norm_formula.applies`). Defaults to `False`.
 
     Returns:
         The implementation to run, chosen as the module docstring says.
@@ -93,14 +115,30 @@ def normalization_path(elements, trailing_statistics: bool = True) -> str:
     'fused_kernels'
     """
     forced = _forced_path()
+    in_xla = _compat.in_xla_compiled_function()
+    # XLA's lowering of the batch-norm kernel on the reshaped (sample,
+    # channel) layout gave wrong results: never inside XLA.
+    if forced == BATCH_NORM and (in_xla or not batch_norm_applies):
+        forced = FUSED_KERNELS
     if forced is not None:
         return forced
-    if elements is None or elements >= DOT_SUM_MIN_ELEMENTS:
-        return FUSED_KERNELS
-    if _compat.in_xla_compiled_function():
+    large = elements is not None and elements >= DOT_SUM_MIN_ELEMENTS
+    if in_xla:
+        if trailing_statistics and (elements is None or large):
+            return FUSED_KERNELS
         return KERAS_FORMULA
+    if elements is None or large:
+        return FUSED_KERNELS
     if tf.executing_eagerly() or graph_rewrite_on():
         return FUSED_KERNELS
+    measured = _path_calibration.measured_path(elements, trailing_statistics, dtype)
+    if measured == BATCH_NORM and not batch_norm_applies:
+        measured = None
+    if measured is not None:
+        return measured
     if trailing_statistics and cpu_has_avx512():
         return FUSED_KERNELS
+    width = "float32" if tf.as_dtype(dtype).size >= 4 else "half"
+    if batch_norm_applies and elements >= BATCH_NORM_MIN_ELEMENTS[width]:
+        return BATCH_NORM
     return KERAS_FORMULA

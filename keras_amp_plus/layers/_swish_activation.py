@@ -35,7 +35,27 @@ def _swish_backward(upstream, x, beta, with_beta_grad):
     return x_grad, beta_grad
 
 
+def _swish_for_xla(x, beta, with_beta_grad):
+    """`x * sigmoid(beta * x)` as plain ops, for a model XLA compiles whole.
+
+    There XLA fuses these ops (and TensorFlow's `silu` gradient, which also
+    recomputes the sigmoid) with their neighbours, as it does Keras's own
+    activation; the layer's separately compiled kernels would only be
+    inlined into the model's cluster and win nothing. The arithmetic runs in
+    `beta`'s dtype (float32 or wider) and the result is rounded once, except
+    for float16 inputs with a fixed `beta`: there Keras's own formula, in
+    float16, which XLA runs natively on CPUs with AVX512-FP16 and which was
+    faster than widening to float32.
+    """
+    if x.dtype == tf.float16 and not with_beta_grad:
+        return tf.nn.silu(x, tf.cast(beta, x.dtype))
+    return tf.cast(tf.nn.silu(tf.cast(x, beta.dtype), beta), x.dtype)
+
+
 def _swish(x, beta, with_beta_grad):
+    if _compat.in_xla_compiled_function():
+        return _swish_for_xla(x, beta, with_beta_grad)
+
     @tf.custom_gradient
     def swish_with_gradient(x, beta):
         def grad(upstream):
@@ -119,7 +139,10 @@ class Swish(keras.layers.Layer):
     Computes in the layer's compute dtype: inputs are cast to it, outputs and
     input gradients have it, and no float32 tensor is ever written to memory.
     Inside each fused XLA kernel the arithmetic runs in float32 registers (XLA
-    widens bfloat16 there anyway), so each result is rounded once. The
+    widens bfloat16 there anyway), so each result is rounded once. Inside a
+    model compiled with `jit_compile=True` the layer is plain ops XLA fuses
+    with its neighbours (float16 with a fixed `beta`: Keras's formula, in
+    float16, as `Activation("swish")`). The
     gradient recomputes the sigmoid instead of storing it, so a training step
     keeps no more than `Activation("swish")` does. XLA compiles a kernel per
     input shape, so inputs whose length changes from batch to batch are padded

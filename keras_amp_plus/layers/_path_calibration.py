@@ -1,0 +1,224 @@
+"""Measured path choice for graph steps: once per CPU model and TensorFlow.
+
+In a graph step (no XLA around the model) the fused kernels and Keras's
+formula race per shape, and which one wins below the matrix-product size
+depends on the CPU (its vector width, whether TensorFlow turns oneDNN on) and
+on TensorFlow's kernels. `measure_paths` times them (for middle axes also
+TensorFlow's fused batch-norm kernel, `_batch_norm_formula`) on a few sizes per kind
+of statistics (trailing axes: layer norm; middle axes: instance norm) and
+input precision, forward + backward, interleaved, medians of process CPU
+time, and writes the winners to a JSON file in
+`keras_amp_plus._hardware.cache_dir()` named after the CPU model, its
+features, the TensorFlow version and the oneDNN switch.
+`measured_path` reads them back for `_path_choice`.
+
+Measuring takes seconds and compiles kernels, so it never runs inside a
+model's traced step: `python -m keras_amp_plus doctor` runs it (or call
+`measure_paths` eagerly). Without a cached measurement `_path_choice` falls
+back to its rule from CPU features.
+"""
+
+import functools
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+
+import tensorflow as tf
+
+from keras_amp_plus import _compat, _hardware
+
+FUSED_KERNELS = "fused_kernels"
+KERAS_FORMULA = "keras_formula"
+BATCH_NORM = "batch_norm"
+
+# Shapes timed, smallest first; all below the matrix-product size, where the
+# answer differs between CPUs (above it the kernels win everywhere measured).
+TRAILING_SHAPES = ((512, 256), (2048, 256), (2048, 1024))
+MIDDLE_SHAPES = ((8, 16, 16, 32), (16, 16, 16, 64), (8, 64, 64, 64))
+DTYPES = ("bfloat16", "float32")
+# The kernels must be this much faster to be chosen: on a loaded machine a
+# median of a few calls moves by 10-15%, and within that the formula (Keras's
+# own) is the safe side.
+WIN_MARGIN = 0.85
+# A measurement stands for inputs up to this many octaves of elements away.
+NEAREST_OCTAVES = 2.0
+
+
+@functools.cache
+def _machine_digest() -> str:
+    """Hash of the CPU model and features, TensorFlow version, oneDNN state."""
+    key = json.dumps(
+        [_hardware.cpu_facts(), tf.__version__, _compat.onednn_enabled()],
+        sort_keys=True,
+    )
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def cache_path() -> str:
+    """Return the cache file of this CPU model, TensorFlow and oneDNN state."""
+    name = f"normalization_paths_{_machine_digest()}.json"
+    return os.path.join(_hardware.cache_dir(), name)
+
+
+_loaded = {}
+
+
+def _cells(path):
+    """Return the cached measurements at `path` (read once per process)."""
+    if path not in _loaded:
+        try:
+            with open(path, encoding="utf-8") as file:
+                _loaded[path] = list(json.load(file)["cells"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return []  # not measured yet: read again once it is
+    return _loaded[path]
+
+
+def cached_cells() -> list:
+    """Return the measurements cached for this machine (empty when none)."""
+    return list(_cells(cache_path()))
+
+
+def _dtype_family(dtype) -> str:
+    """float16 inputs race like bfloat16 ones (half-width reads, float32 math)."""
+    name = tf.as_dtype(dtype).name
+    return "bfloat16" if name in ("bfloat16", "float16") else "float32"
+
+
+def measured_path(elements, trailing_statistics, dtype):
+    """Return the measured faster path for such an input, or None.
+
+    Args:
+        elements: the input's number of elements.
+        trailing_statistics: True for statistics over trailing axes.
+        dtype: the input's dtype.
+
+    Returns:
+        `FUSED_KERNELS`, `KERAS_FORMULA` or `BATCH_NORM` from the nearest
+        measured size of the same kind and precision family, or None where
+        nothing measured lies within `NEAREST_OCTAVES`.
+
+    Example:
+    >>> import os, tempfile
+    >>> os.environ["KERAS_AMP_PLUS_CACHE_DIR"] = tempfile.mkdtemp()
+    >>> print(measured_path(2**20, True, "bfloat16"))
+    None
+    >>> del os.environ["KERAS_AMP_PLUS_CACHE_DIR"]
+    """
+    family = _dtype_family(dtype)
+    candidates = [
+        cell
+        for cell in _cells(cache_path())
+        if cell["trailing"] == bool(trailing_statistics) and cell["dtype"] == family
+    ]
+    if not candidates or not elements:
+        return None
+    distance = lambda cell: abs(math.log2(cell["elements"]) - math.log2(elements))  # noqa: E731
+    nearest = min(candidates, key=distance)
+    if distance(nearest) > NEAREST_OCTAVES:
+        return None
+    return nearest["path"]
+
+
+def _step(normalize, shape, dtype):
+    """Return a graph step (forward + backward) of `normalize` and its inputs."""
+    trailing = len(shape) == 2
+    stat_axes = (1,) if trailing else (1, 2)
+    params = [1, shape[1]] if trailing else [1, 1, 1, shape[-1]]
+    x = tf.cast(tf.random.stateless_normal(shape, (1, 2), mean=0.5), dtype)
+    upstream = tf.cast(tf.random.stateless_normal(shape, (3, 4)), dtype)
+    gamma, beta = tf.ones(params), tf.zeros(params)
+
+    @tf.function(jit_compile=False)
+    def step(x, upstream, gamma, beta):
+        with tf.GradientTape() as tape:
+            tape.watch([x, gamma, beta])
+            outputs = normalize(x, gamma, beta, 1e-3, stat_axes, dtype)
+        return tape.gradient(outputs, [x, gamma, beta], output_gradients=upstream)
+
+    return lambda: step(x, upstream, gamma, beta)
+
+
+def _time_pair(steps, reps):
+    """Return {name: median CPU seconds} of `steps` called interleaved."""
+    for step in steps.values():  # trace, compile, warm
+        step()
+        step()
+    times = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            start = time.process_time()
+            step()
+            times[name].append(time.process_time() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
+    """Race the two paths in graph steps and cache the winners on disk.
+
+    Runs eagerly (never call it inside a `tf.function`). Cells are measured
+    smallest first until `seconds` of wall time are spent; the ones done are
+    cached.
+
+    Args:
+        seconds: wall-time budget. Defaults to `30.0`.
+        reps: interleaved calls per path and cell. Defaults to `7`.
+
+    Returns:
+        `{"path": cache file, "cells": [{"trailing", "dtype", "shape",
+        "elements", "ratios" (each path's CPU time / the formula's),
+        "path" (the winner)}]}`.
+    """
+    if not tf.executing_eagerly():
+        raise RuntimeError(
+            "`measure_paths` times steps of its own and must run eagerly, not "
+            "inside a tf.function. Call it outside of any traced function."
+        )
+    from keras_amp_plus.layers import (
+        _batch_norm_formula,
+        _fused_normalization,
+        _keras_formula,
+    )
+
+    paths = {
+        KERAS_FORMULA: _keras_formula.keras_formula_normalize,
+        FUSED_KERNELS: _fused_normalization._normalize_with_gradient,
+    }
+    middle_paths = {**paths, BATCH_NORM: _batch_norm_formula.batch_norm_normalize}
+    deadline = time.monotonic() + seconds
+    cells = []
+    for shapes, racing in ((TRAILING_SHAPES, paths), (MIDDLE_SHAPES, middle_paths)):
+        for shape, dtype in ((s, d) for s in shapes for d in DTYPES):
+            if time.monotonic() >= deadline:
+                break
+            steps = {name: _step(f, shape, dtype) for name, f in racing.items()}
+            medians = _time_pair(steps, reps)
+            ratios = {name: t / medians[KERAS_FORMULA] for name, t in medians.items()}
+            fastest = min(ratios, key=ratios.get)
+            cells.append(
+                {
+                    "trailing": len(shape) == 2,
+                    "dtype": dtype,
+                    "shape": list(shape),
+                    "elements": math.prod(shape),
+                    "ratios": ratios,
+                    "path": fastest if ratios[fastest] < WIN_MARGIN else KERAS_FORMULA,
+                }
+            )
+    path = cache_path()
+    _write(path, cells)
+    return {"path": path, "cells": cells}
+
+
+def _write(path, cells):
+    """Write the cells; a read-only disk only costs measuring again."""
+    _loaded.pop(path, None)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump({"tensorflow": tf.__version__, "cells": cells}, file, indent=1)
+    except OSError:
+        pass

@@ -13,8 +13,7 @@ from keras_amp_plus.callbacks import (
     _monitor_session as monitor_session,
 )
 from keras_amp_plus.callbacks._adaptation import AdaptationRule
-from keras_amp_plus.callbacks._event_log import changes_markdown
-from keras_amp_plus.callbacks._state import MonitorState
+from keras_amp_plus.callbacks._state import MonitorMemory
 
 logger = logging.getLogger("keras_amp_plus")
 
@@ -163,14 +162,13 @@ class AMPMonitor(keras.callbacks.Callback):
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         if isinstance(self.log_dir, bytes):
             self.log_dir = os.fsdecode(self.log_dir)
-        self.lists = checks.as_lists(lists)
         self.engine = engine
         self.adapt = adapt
         self.trusted_backward_scale = float(trusted_backward_scale)
         self.read_every_steps = read_every_steps
         self.replay = replay
         self.exclude_skipped_steps = exclude_skipped_steps
-        self.rule = AdaptationRule(
+        rule = AdaptationRule(
             deny_threshold,
             patience,
             cooldown,
@@ -178,23 +176,42 @@ class AMPMonitor(keras.callbacks.Callback):
             evidence_decay=float(evidence_decay),
             trusted_backward_scale=self.trusted_backward_scale,
         )
-        self.state = MonitorState(lists=self.lists.get_config())
+        # The one owner of the state, the lists and the rule's memory.
+        self._memory = MonitorMemory(checks.as_lists(lists), rule)
         self._session = None
         self._step_cache = None
+
+    @property
+    def lists(self) -> PrecisionLists:
+        """The current lists (the initial ones until a change or a resume)."""
+        return self._memory.lists
+
+    @lists.setter
+    def lists(self, lists) -> None:
+        self._memory.set_lists(checks.as_lists(lists))
+
+    @property
+    def state(self):
+        """The `MonitorState` a resumed `fit` continues from."""
+        return self._memory.state
+
+    @property
+    def rule(self) -> AdaptationRule:
+        """The `AdaptationRule` that moves layers between lists."""
+        return self._memory.rule
 
     # -- fit hooks ---------------------------------------------------------------
     def on_train_begin(self, logs=None):
         """Check everything that could fail, then instrument the model."""
-        self._session = monitor_session.MonitorSession(self, self.model)
+        self._session = monitor_session.MonitorSession(
+            self, self.model, self._memory, self._step_cache
+        )
         # Public from here on: the engine really used, for precision_report.
         self.engine = self._session.engine
 
     def on_epoch_begin(self, epoch, logs=None):
         """Resume or start the record (first epoch), reset epoch counters."""
-        session = self._session
-        if not session.started:
-            session.start(epoch)
-        session.begin_epoch(epoch)
+        self._session.begin_epoch(epoch)
 
     def on_train_batch_end(self, batch, logs=None):
         """Read the counters every `read_every_steps` steps."""
@@ -202,39 +219,12 @@ class AMPMonitor(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         """Report the epoch, adapt the lists, save the state."""
-        session = self._session
-        session.epoch_events.extend(session.drain(force_scalars=True))
-        epoch_events = session.epoch_events
-        steps = session.steps_in_epoch()
-        evidence = self.rule.evidence(epoch_events)
-        session.report_epoch(epoch, epoch_events, steps, evidence)
-        if logs is not None:
-            logs["overflow_events"] = len(epoch_events)
-            if (
-                self.exclude_skipped_steps
-                and session.has_scaler()
-                and steps
-                and len(epoch_events) >= steps
-                and "loss" in logs
-            ):
-                # Every step was skipped: no loss was averaged (Keras reports 0).
-                logs["loss"] = float("nan")
-        if self.adapt:
-            changes = session.adapt(epoch, evidence)
-            if changes:
-                step = self.state.epoch_offset + epoch
-                session.log.text("amp/changes", changes_markdown(changes), step)
-                # The new lists take effect from the next epoch.
-                session.log.text("amp/lists", self.lists.to_markdown(), step + 1)
-        if logs is not None and session.loss_scale() is not None:
-            # After `adapt`, which may have put the scale back.
-            logs["loss_scale"] = session.loss_scale()
-        session.end_epoch(epoch)
+        self._session.end_epoch(epoch, logs)
 
     def on_train_end(self, logs=None):
         """Flush the logs and give the model its own train step back."""
         if self._session is not None:
-            self._session.close()
+            self._step_cache = self._session.close()
 
     # -- serialization -----------------------------------------------------------
     def get_config(self) -> dict:

@@ -18,7 +18,6 @@ import os
 import keras
 import numpy as np
 import pytest
-
 from conftest import run_python
 
 from keras_amp_plus.callbacks import AMPMonitor

@@ -76,6 +76,13 @@ def _put(buffer, slot, value):
     buffer.assign(updated)
 
 
+def _restore(saved):
+    """Assign each `(variable, value before the step)` pair back."""
+    for variable, before in saved:
+        variable.assign(before)
+    return tf.constant(0)
+
+
 def _all_replicas_any(flag):
     """Return True on every replica when `flag` is True on any of them."""
     context = tf.distribute.get_replica_context()
@@ -167,9 +174,9 @@ class StepRecorder:
             if order.layers:
                 self.call_order = order.layers
             losses, self._local.losses = self._local.losses, None
-            skipped = self._record_step(data, scale_before, losses)
+            self._record_step(data, scale_before, losses, saved_metrics)
             if saved_metrics is not None:
-                outputs = self._forget_skipped(skipped, saved_metrics, outputs)
+                outputs = self._metrics_result(outputs)
             return outputs
 
         compute_loss._amp_monitor_original = self._saved_attributes["compute_loss"]
@@ -204,23 +211,19 @@ class StepRecorder:
         # Metrics built by this very step (the first trace) are not restored.
         return [(v, tf.identity(v)) for v in self._metric_variables()]
 
-    def _forget_skipped(self, skipped, saved, outputs):
-        """Put the metrics back as they were before a skipped step."""
-
-        def restore():
-            for variable, before in saved:
-                variable.assign(before)
-            return tf.constant(0)
-
-        # Only on a skipped step: normal steps pay no writes.
-        tf.cond(skipped, restore, lambda: tf.constant(0))
+    def _metrics_result(self, outputs):
+        """Return the step's logs from the metrics (put back on a skipped step)."""
         results = self.model.get_metrics_result()
         if isinstance(outputs, dict) and set(outputs) == set(results):
             return results
         return outputs
 
-    def _record_step(self, data, scale_before, losses):
-        """Record what the scaler cannot see; return `skipped` (a bool tensor)."""
+    def _record_step(self, data, scale_before, losses, saved_metrics):
+        """Record what the scaler cannot see, only on a skipped/overflow step.
+
+        Everything happens in one `tf.cond`, so a normal step pays a few
+        scalar ops and one conditional (each one costs under XLA).
+        """
         # A custom `train_step` may compute its loss without `compute_loss`:
         # then the loss is not watched and every event's batch is kept.
         self.loss_watched = bool(losses)
@@ -234,38 +237,51 @@ class StepRecorder:
         self.total_steps.assign_add(1)
         leaves = self._stash_leaves(data)
         if self.kind == SCALER_KAP:
+            # Our scaler records the event; the batch is all that is ours.
             skipped = self.optimizer.last_step_skipped > 0
             step = tf.cast(self.optimizer.total_steps, tf.int64)
-            keep = loss_nonfinite if self.loss_watched else skipped
-            keep |= skipped & self._at_trusted_scale()
-            tf.cond(keep, lambda: self._stash(leaves, step), lambda: tf.constant(0))
-            return skipped
-        loss_has_nan = _all_replicas_any(loss_has_nan)
-        scale_after = self._read_scale()
-        if self.kind == SCALER_KERAS:
-            skipped = scale_after < scale_before
+            is_event = skipped
+            watched = loss_nonfinite if self.loss_watched else tf.constant(True)
+            # Read in the event branch only: normal steps pay nothing for it.
+            keep_fn = lambda: watched | self._at_trusted_scale()  # noqa: E731
         else:
-            skipped = tf.constant(False)
-        is_event = skipped | loss_nonfinite
-        step = tf.convert_to_tensor(self.total_steps)
-        keep = loss_nonfinite if self.loss_watched else tf.constant(True)
-        if self.kind == SCALER_KERAS:
-            keep |= skipped & self._at_trusted_scale(scale_after)
+            loss_has_nan = _all_replicas_any(loss_has_nan)
+            scale_after = self._read_scale()
+            if self.kind == SCALER_KERAS:
+                skipped = scale_after < scale_before
+            else:
+                skipped = tf.constant(False)
+            is_event = skipped | loss_nonfinite
+            step = tf.convert_to_tensor(self.total_steps)
+            keep = loss_nonfinite if self.loss_watched else tf.constant(True)
+            if self.kind == SCALER_KERAS:
+                keep |= skipped & self._at_trusted_scale(scale_after)
+            keep_fn = lambda: keep  # noqa: E731
 
-        def record():
-            self.ring.write(
-                self.event_count,
-                step,
-                scale_before,
-                scale_after,
-                loss_nonfinite,
-                loss_has_nan,
+        def on_event():
+            if saved_metrics is not None:
+                # The skipped step's loss is left out of the epoch's averages.
+                tf.cond(
+                    skipped,
+                    lambda: _restore(saved_metrics),
+                    lambda: tf.constant(0),
+                )
+            if self.ring is not None:
+                self.ring.write(
+                    self.event_count,
+                    step,
+                    scale_before,
+                    scale_after,
+                    loss_nonfinite,
+                    loss_has_nan,
+                )
+                self.event_count.assign_add(1)
+            tf.cond(
+                keep_fn(), lambda: self._stash(leaves, step), lambda: tf.constant(0)
             )
-            tf.cond(keep, lambda: self._stash(leaves, step), lambda: tf.constant(0))
-            self.event_count.assign_add(1)
             return tf.constant(0)
 
-        tf.cond(is_event, record, lambda: tf.constant(0))
+        tf.cond(is_event, on_event, lambda: tf.constant(0))
         return skipped
 
     def _at_trusted_scale(self, scale_after=None):

@@ -21,10 +21,10 @@ logger = logging.getLogger("keras_amp_plus")
 class AMPMonitor(keras.callbacks.Callback):
     """Log every overflow, name the layer behind it, and move it to float32.
 
-    Each train step, inside the compiled step, overflow events are counted in
-    graph variables (no host synchronisation); every `read_every_steps` steps and
-    at each epoch end the monitor reads them exactly, attributes each to a
-    layer, and writes:
+    Each train step, inside the compiled step, overflow events are recorded in
+    graph variables (no host synchronisation; a normal step pays a few scalar
+    ops and one conditional); every `read_every_steps` steps and at each epoch
+    end the monitor reads them exactly, attributes each to a layer, and writes:
 
     - TensorBoard run `<log_dir>/amp`: `amp/loss_scale` and `amp/skipped_steps`
       (cumulative) at the global train step; `amp/overflow_events`,
@@ -53,11 +53,17 @@ class AMPMonitor(keras.callbacks.Callback):
     `amp_events.jsonl` with its run number (`"run"`), and its TensorBoard
     steps continue after the previous run's.
 
-    Backward overflows are attributed from our `LossScaleOptimizer`'s
-    per-variable records to the implicated layer closest to the loss; forward
-    overflows (Inf/NaN loss) by replaying the step's batch to find the first
-    layer whose output went non-finite. With Keras's own scaler events come from
-    scale changes (forward ones still attributed); with no scaler (bfloat16) the
+    With our `LossScaleOptimizer` the events are the scaler's own records
+    (`read_records`); the monitor's in-graph recorder only keeps the batch of
+    an overflow step for the replay. Backward overflows are attributed from
+    the scaler's per-variable records to the implicated layer closest to the
+    loss; forward overflows (Inf/NaN loss) by replaying the step's batch to
+    find the innermost layer whose inputs were finite and output was not. A
+    backward overflow at a trusted scale is replayed too, and named as a
+    forward overflow when the replay finds such a layer: a forward overflow
+    can stay hidden from the loss (TensorFlow's Eigen max pooling, used with
+    oneDNN off, drops NaNs). With Keras's own scaler events come from scale
+    changes (forward ones still attributed); with no scaler (bfloat16) the
     monitor watches for Inf/NaN losses and recommends
     `LossScaleOptimizer.guard`. With `adapt=True` the rule of
     `keras_amp_plus.callbacks._adaptation` moves layers between lists at epoch

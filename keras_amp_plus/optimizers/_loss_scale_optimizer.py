@@ -46,8 +46,10 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
     with the scale at its floor), per-variable `variable_overflow_counts`, the
     hysteresis state `overflows_since_scale_change`, and a ring buffer of the last
     `event_buffer_size` events (`event_steps`, `event_scales_before`,
-    `event_scales_after`, `event_has_nan`, `event_variable_masks`). Read them
-    with `overflow_summary()` and `read_events()`.
+    `event_scales_after`, `event_has_nan`, `event_variable_masks`, and
+    `event_loss_states`: whether the loss `scale_loss` saw was finite). Read
+    them with `overflow_summary()`, `read_events()` or, typed,
+    `read_records()`.
 
     For bfloat16, which has float32's exponent range, use the guard mode
     `LossScaleOptimizer.guard(inner_optimizer)`: the scale is fixed at 1 and

@@ -18,9 +18,10 @@ builds fresh models with the same initial weights, and the table shows the
 median ms/step of `--reps` repetitions and the overhead against "without".
 
 A third variant, "noop_batch_hook", adds a callback whose `on_train_batch_end`
-does nothing: any batch-end hook (the monitor's included) switches Keras from
-dispatching batch callbacks to a thread pool to calling them inline, and this
-variant shows what that switch alone costs or saves. The monitor's own hooks
+does nothing: any batch-end hook switches Keras from dispatching batch-end
+callbacks to a thread pool to calling them inline (with a host read of every
+step's logs), and this variant shows what that switch alone costs. The monitor
+has no batch-end hook (it reads as a batch begins). The monitor's own hooks
 are also timed directly (host-side CPU time per step, after epoch 0), and the
 compiled step alone is timed with and without the monitor's in-graph recorder
 (`model.train_function` in a loop, interleaved): whole-`fit` timings on this
@@ -105,8 +106,8 @@ class TimedMonitor(AMPMonitor):
         self._timing = epoch >= 1
         self._timed(super().on_epoch_begin, epoch, logs)
 
-    def on_train_batch_end(self, batch, logs=None):
-        self._timed(super().on_train_batch_end, batch, logs)
+    def on_train_batch_begin(self, batch, logs=None):
+        self._timed(super().on_train_batch_begin, batch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
         self._timed(super().on_epoch_end, epoch, logs)

@@ -23,8 +23,9 @@ class AMPMonitor(keras.callbacks.Callback):
 
     Each train step, inside the compiled step, overflow events are recorded in
     graph variables (no host synchronisation; a normal step pays a few scalar
-    ops and one conditional); every `read_every_steps` steps and at each epoch
-    end the monitor reads them exactly, attributes each to a layer, and writes:
+    ops and one conditional); every `read_every_steps` steps (as a batch
+    begins: the monitor has no batch-end hook) and at each epoch end the
+    monitor reads them exactly, attributes each to a layer, and writes:
 
     - TensorBoard run `<log_dir>/amp`: `amp/loss_scale` and `amp/skipped_steps`
       (cumulative) at the global train step; `amp/overflow_events`,
@@ -219,9 +220,15 @@ class AMPMonitor(keras.callbacks.Callback):
         """Resume or start the record (first epoch), reset epoch counters."""
         self._session.begin_epoch(epoch)
 
-    def on_train_batch_end(self, batch, logs=None):
-        """Read the counters every `read_every_steps` steps."""
-        self._session.after_batch(batch)
+    def on_train_batch_begin(self, batch, logs=None):
+        """Read the records every `read_every_steps` steps.
+
+        At the beginning of a batch, not its end: a batch-end hook makes
+        Keras convert every step's logs on the host before the next step
+        starts (it dispatches batch-end hooks to a thread only when no
+        callback has one), which costs more than the whole monitor.
+        """
+        self._session.before_batch(batch)
 
     def on_epoch_end(self, epoch, logs=None):
         """Report the epoch, adapt the lists, save the state."""

@@ -179,14 +179,18 @@ class MonitorSession:
         self.epoch = epoch
         self.epoch_events = []
         self.last_batch = -1
-        self.steps_since_read = 0
+        self.read_at = 0
 
-    def after_batch(self, batch: int) -> None:
-        """Count steps; read the counters every `read_every` steps."""
-        self.steps_since_read += batch - self.last_batch
+    def before_batch(self, batch: int) -> None:
+        """Read the records when `read_every` steps finished since the last read.
+
+        Called as batch `batch` begins, when steps `0 .. batch - 1` of the
+        epoch are done.
+        """
         self.last_batch = batch
-        if self.steps_since_read >= self.read_every:
+        if batch - self.read_at >= self.read_every:
             self.epoch_events.extend(self.drain())
+            self.read_at = batch
 
     def steps_in_epoch(self) -> int:
         """Return the number of train steps of the current epoch."""
@@ -198,7 +202,6 @@ class MonitorSession:
         The step scalars are written when they changed (or when forced, at the
         end of an epoch): most reads find nothing new and cost one host read.
         """
-        self.steps_since_read = 0
         events = self.collector.collect(self.epoch)
         state = self.memory.state
         rule = self.memory.rule

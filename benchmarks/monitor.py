@@ -18,9 +18,10 @@ builds fresh models with the same initial weights, and the table shows the
 median ms/step of `--reps` repetitions and the overhead against "without".
 
 A third variant, "noop_batch_hook", adds a callback whose `on_train_batch_end`
-does nothing: any batch-end hook (the monitor's included) switches Keras from
-dispatching batch callbacks to a thread pool to calling them inline, and this
-variant shows what that switch alone costs or saves. The monitor's own hooks
+does nothing: any batch-end hook switches Keras from dispatching batch-end
+callbacks to a thread pool to calling them inline (with a host read of every
+step's logs), and this variant shows what that switch alone costs. The monitor
+has no batch-end hook (it reads as a batch begins). The monitor's own hooks
 are also timed directly (host-side CPU time per step, after epoch 0), and the
 compiled step alone is timed with and without the monitor's in-graph recorder
 (`model.train_function` in a loop, interleaved): whole-`fit` timings on this
@@ -29,16 +30,25 @@ direct measurements do not.
 
 Target: at most 3% overhead.
 
-Usage: python benchmarks/monitor.py [--quick] [--reps N] [--epochs N]
-       [--steps N] [--output PATH]
+Peak memory: a fresh child process per variant (interleaved, `--rss-reps`
+each) trains the same model with our `LayerNormalization` for a few steps and
+reports its peak RSS (`VmHWM` of `/proc/self/status`, else
+`resource.getrusage(...).ru_maxrss`, which on Linux inherits the parent's
+peak across fork + exec): "layers" (our
+layers alone, Keras's optimizer) against "product" (our layers, our
+`LossScaleOptimizer.guard` and `AMPMonitor(log_dir)` at its defaults).
+
+Usage: python benchmarks/monitor.py [--quick] [--jit] [--reps N] [--epochs N]
+       [--steps N] [--rss-reps N] [--output PATH]
 """
 
 import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -48,6 +58,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
+from machine import print_header
 
 from keras_amp_plus.callbacks import AMPMonitor
 from keras_amp_plus.callbacks._step_recorder import StepRecorder
@@ -97,8 +108,8 @@ class TimedMonitor(AMPMonitor):
         self._timing = epoch >= 1
         self._timed(super().on_epoch_begin, epoch, logs)
 
-    def on_train_batch_end(self, batch, logs=None):
-        self._timed(super().on_train_batch_end, batch, logs)
+    def on_train_batch_begin(self, batch, logs=None):
+        self._timed(super().on_train_batch_begin, batch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
         self._timed(super().on_epoch_end, epoch, logs)
@@ -171,9 +182,102 @@ def time_graph_step(setup, dataset, args):
             times[name].append(1000.0 * (time.process_time() - start) / args.steps)
     keras.config.set_dtype_policy("float32")
     keras.backend.clear_session()
-    return statistics.median(times["without"]), statistics.median(
-        times["with_recorder"]
+    # Each repetition times both functions back to back: the median of their
+    # ratios cancels the slow drift of a shared machine.
+    ratios = [
+        r / w for r, w in zip(times["with_recorder"], times["without"], strict=True)
+    ]
+    return (
+        statistics.median(times["without"]),
+        statistics.median(times["with_recorder"]),
+        statistics.median(ratios) - 1.0,
     )
+
+
+RSS_CHILD = """
+import os, resource, sys, tempfile
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import keras, numpy as np
+from keras_amp_plus.callbacks import AMPMonitor
+from keras_amp_plus.layers import LayerNormalization
+from keras_amp_plus.optimizers import LossScaleOptimizer
+
+variant, jit = sys.argv[1], sys.argv[2] == "1"
+keras.config.set_dtype_policy("mixed_bfloat16")
+keras.utils.set_random_seed(0)
+inputs = keras.Input((256,))
+x = inputs
+for _ in range(3):
+    x = keras.layers.Dense(512, activation="relu")(x)
+    x = LayerNormalization()(x)
+model = keras.Model(inputs, keras.layers.Dense(10, dtype="float32")(x))
+optimizer = keras.optimizers.Adam(1e-4)
+callbacks = []
+log_dir = tempfile.mkdtemp()
+if variant == "product":
+    optimizer = LossScaleOptimizer.guard(optimizer)
+    callbacks.append(AMPMonitor(log_dir))
+model.compile(optimizer, "sparse_categorical_crossentropy", jit_compile=jit)
+rng = np.random.default_rng(0)
+data = rng.normal(size=(256 * 16, 256)).astype("float32")
+labels = rng.integers(0, 10, size=(256 * 16,))
+model.fit(data, labels, batch_size=256, epochs=2, verbose=0, callbacks=callbacks)
+# Linux carries the parent's peak over fork + exec into ru_maxrss; the
+# mm's own high-water mark (VmHWM) is this process's alone.
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if os.path.exists("/proc/self/status"):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                peak = int(line.split()[1])
+print(peak)
+"""
+
+
+def peak_rss(reps, jit):
+    """Median peak RSS (MB) of a child per variant: layers alone vs product."""
+    peaks = {"layers": [], "product": []}
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env = {
+        **os.environ,
+        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    for rep in range(reps):
+        order = list(peaks) if rep % 2 == 0 else list(peaks)[::-1]
+        for variant in order:
+            done = subprocess.run(
+                [sys.executable, "-c", RSS_CHILD, variant, "1" if jit else "0"],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+            )
+            kilobytes = int(done.stdout.strip().splitlines()[-1])
+            peaks[variant].append(kilobytes / 1024.0)
+    return {variant: statistics.median(values) for variant, values in peaks.items()}
+
+
+def rss_only(args, machine):
+    """Measure and write the peak RSS of the two variants only."""
+    rss = peak_rss(args.rss_reps, args.jit)
+    print(
+        f"peak RSS (median of {args.rss_reps} children): our layers alone "
+        f"{rss['layers']:.0f} MB, full product {rss['product']:.0f} MB "
+        f"({rss['product'] - rss['layers']:+.0f} MB)"
+    )
+    name = "monitor_rss_jit.json" if args.jit else "monitor_rss.json"
+    output = pathlib.Path(args.output or RESULTS / name)
+    result = {
+        "benchmark": "monitor_peak_rss",
+        "description": "peak RSS of a child training 2 epochs: our layers alone "
+        "vs layers + LossScaleOptimizer.guard + AMPMonitor(log_dir)",
+        "jit_compile": args.jit,
+        "rss_reps": args.rss_reps,
+        "peak_rss_mb": {k: round(v, 1) for k, v in rss.items()},
+        "machine": machine,
+    }
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {output}")
 
 
 def main():
@@ -188,12 +292,22 @@ def main():
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--output", default=None)
     parser.add_argument("--jit", action="store_true", help="compile the step with XLA")
+    parser.add_argument("--rss-reps", type=int, default=3)
+    parser.add_argument("--rss-only", action="store_true", help="measure peak RSS only")
     args = parser.parse_args()
     if args.quick:
-        args.epochs, args.steps, args.width, args.graph_reps = 2, 64, 256, 5
+        args.epochs, args.steps, args.width, args.graph_reps = 2, 64, 256, 11
     name = "monitor_quick" if args.quick else "monitor"
     name += "_jit.json" if args.jit else ".json"
+    explicit_output = args.output
     args.output = args.output or str(RESULTS / name)
+    machine = print_header(
+        f"AMPMonitor overhead on fit's train step (jit_compile={args.jit})"
+    )
+    if args.rss_only:
+        args.output = explicit_output
+        rss_only(args, machine)
+        return
 
     rng = np.random.default_rng(0)
     samples = args.batch * args.steps
@@ -245,11 +359,17 @@ def main():
         print(f"  {setup:16} {median:9.4f} ({median / base:.2%} of a step)")
     graph = {setup: time_graph_step(setup, dataset, args) for setup in SETUPS}
     print("compiled train step alone (train_function loop), median ms/step:")
-    for setup, (plain, recorded) in graph.items():
+    for setup, (plain, recorded, paired) in graph.items():
         print(
             f"  {setup:16} without {plain:8.3f}  with recorder {recorded:8.3f}"
-            f"  {recorded / plain - 1:+.2%}"
+            f"  {recorded / plain - 1:+.2%} (median of paired ratios {paired:+.2%})"
         )
+    rss = peak_rss(args.rss_reps, args.jit)
+    print(
+        f"peak RSS (median of {args.rss_reps} children): our layers alone "
+        f"{rss['layers']:.0f} MB, full product {rss['product']:.0f} MB "
+        f"({rss['product'] - rss['layers']:+.0f} MB)"
+    )
     worst = max(r["overhead"] for r in rows if r["variant"] == "with_monitor")
     verdict = "met" if worst <= TARGET_OVERHEAD else "MISSED"
     print(f"target: overhead <= {TARGET_OVERHEAD:.0%}: {verdict} (worst {worst:+.2%})")
@@ -274,18 +394,19 @@ def main():
         "target_met": worst <= TARGET_OVERHEAD,
         "rows": rows,
         "graph_step_ms": {
-            setup: {"without": round(p, 3), "with_recorder": round(r, 3)}
-            for setup, (p, r) in graph.items()
+            setup: {
+                "without": round(p, 3),
+                "with_recorder": round(r, 3),
+                "paired_overhead": round(o, 4),
+            }
+            for setup, (p, r, o) in graph.items()
         },
+        "peak_rss_mb": {k: round(v, 1) for k, v in rss.items()},
         "monitor_host_ms_per_step": {
             setup: round(statistics.median(host[setup]), 4) for setup in SETUPS
         },
-        "machine": {
-            "python": platform.python_version(),
-            "tensorflow": tf.__version__,
-            "keras": keras.__version__,
-            "processor": platform.processor() or platform.machine(),
-        },
+        "jit_compile": args.jit,
+        "machine": machine,
     }
     pathlib.Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.output}")

@@ -18,6 +18,7 @@ import os
 import keras
 import numpy as np
 import pytest
+from conftest import run_python
 
 from keras_amp_plus.callbacks import AMPMonitor
 from keras_amp_plus.optimizers import LossScaleOptimizer
@@ -172,3 +173,66 @@ def test_the_culprit_is_named_and_denied_and_training_recovers(
     # after one extra skipped step - the scaler's search once the scale is put
     # back - decides more than precision does at these small losses.)
     assert abs(final - final_reference) <= 0.05 * reference.history["loss"][0]
+
+
+MAX_POOLING_CHILD = """
+import json, os, sys
+import numpy as np, keras
+from keras_amp_plus import _compat
+from keras_amp_plus.callbacks import AMPMonitor
+from keras_amp_plus.optimizers import LossScaleOptimizer
+assert _compat.onednn_enabled() is False, "the child must run with oneDNN off"
+
+keras.config.set_dtype_policy("mixed_float16")
+keras.utils.set_random_seed(0)
+inputs = keras.Input((6, 6, 1))
+h = keras.layers.Conv2D(
+    4, 1, name="conv", trainable=False, kernel_initializer="ones")(inputs)
+h = keras.layers.Rescaling(8.0, name="gain")(h)
+# exp(8 x) > 65504 for x > 1.39: float16 overflows where the pixel is lit.
+h = keras.layers.Activation("exponential", name="hot")(h)
+h = keras.layers.LayerNormalization(name="ln")(h)
+h = keras.layers.MaxPooling2D(2, name="pool")(h)
+h = keras.layers.GlobalAveragePooling2D(name="gap")(h)
+outputs = keras.layers.Dense(1, name="head")(h)
+model = keras.Model(inputs, outputs, name="cnn")
+optimizer = LossScaleOptimizer(
+    keras.optimizers.Adam(0.01), initial_scale=4.0, on_min_scale="ignore")
+model.compile(optimizer, "mse")
+rng = np.random.default_rng(0)
+x = np.zeros((48, 6, 6, 1), "float32")
+# One lit pixel per 2x2 window: 'hot' overflows there only, and the max
+# pooling keeps a finite neighbour of each NaN, so the loss stays finite.
+x[:, ::2, ::2, :] = rng.uniform(1.5, 2.5, size=(48, 3, 3, 1))
+y = np.tanh(x.reshape(48, -1).mean(axis=1, keepdims=True)).astype("float32")
+monitor = AMPMonitor(sys.argv[1], read_every_steps=3)
+history = model.fit(
+    x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+with open(os.path.join(sys.argv[1], "amp_events.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+print(json.dumps({
+    "deny_layers": list(monitor.lists.deny_layers),
+    "loss": history.history["loss"],
+    "overflows": [r for r in records if r["type"] == "overflow"],
+}))
+"""
+
+
+def test_a_forward_overflow_that_max_pooling_hides_from_the_loss_is_named(tmp_path):
+    # With oneDNN off, TensorFlow's Eigen max pooling drops NaNs: the float16
+    # overflow in 'hot' never reaches the loss and shows only as non-finite
+    # gradients at the trusted scale, whose implicated layer closest to the
+    # loss is 'ln'. The replay of those steps names 'hot'.
+    out = run_python(
+        MAX_POOLING_CHILD.replace("sys.argv[1]", repr(str(tmp_path))),
+        TF_ENABLE_ONEDNN_OPTS="0",
+    )
+    result = json.loads(out.strip().splitlines()[-1])
+    overflows = result["overflows"]
+    trusted = [r for r in overflows if r["trusted"]]
+    assert trusted, "no overflow at the trusted scale"
+    assert {tuple(r["layers"]) for r in trusted} == {("hot",)}
+    assert all(r["direction"] == "forward" for r in trusted)
+    assert all("the loss stayed finite" in r["evidence"] for r in trusted)
+    assert result["deny_layers"] == ["hot"]
+    assert np.isfinite(result["loss"][-1])

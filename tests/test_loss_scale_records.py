@@ -245,3 +245,35 @@ def test_reading_records_before_build_raises_a_clear_error(read):
     optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
     with pytest.raises(ValueError, match=r"must be built.*Received: optimizer\.built"):
         read(optimizer)
+
+
+def test_records_say_whether_the_loss_that_scale_loss_saw_was_finite():
+    from keras_amp_plus.optimizers._overflow_record import OverflowRecord
+
+    model = three_layer_model()
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=16.0)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+
+    @tf.function
+    def step(loss, grads):
+        optimizer.scale_loss(loss)
+        optimizer.apply(grads, variables)
+
+    step(tf.constant(INF), gradients_with(model, ("first", "middle", "last"), NAN))
+    step(tf.constant(1.0), gradients_with(model, ("last",), INF))
+    step(tf.constant(1.0), gradients_with(model, (), 0.0))  # applied: no record
+    # A step whose loss `scale_loss` never saw (a custom loop).
+    optimizer.apply(gradients_with(model, ("first",), INF), variables)
+
+    records = optimizer.read_records(0)
+    assert all(isinstance(r, OverflowRecord) for r in records)
+    assert [(r.index, r.step, r.loss_finite) for r in records] == [
+        (1, 1, False),
+        (2, 2, True),
+        (3, 4, None),
+    ]
+    assert [r.scale_before for r in records] == [16.0, 8.0, 4.0]
+    assert {path.split("/")[-2] for path in records[1].variables} == {"last"}
+    # `read_events` gives the same events as plain dicts.
+    assert optimizer.read_events(0) == [r.as_event() for r in records]

@@ -13,8 +13,7 @@ from keras_amp_plus.callbacks import (
     _monitor_session as monitor_session,
 )
 from keras_amp_plus.callbacks._adaptation import AdaptationRule
-from keras_amp_plus.callbacks._event_log import changes_markdown
-from keras_amp_plus.callbacks._state import MonitorState
+from keras_amp_plus.callbacks._state import MonitorMemory
 
 logger = logging.getLogger("keras_amp_plus")
 
@@ -22,10 +21,11 @@ logger = logging.getLogger("keras_amp_plus")
 class AMPMonitor(keras.callbacks.Callback):
     """Log every overflow, name the layer behind it, and move it to float32.
 
-    Each train step, inside the compiled step, overflow events are counted in
-    graph variables (no host synchronisation); every `read_every_steps` steps and
-    at each epoch end the monitor reads them exactly, attributes each to a
-    layer, and writes:
+    Each train step, inside the compiled step, overflow events are recorded in
+    graph variables (no host synchronisation; a normal step pays a few scalar
+    ops and one conditional); every `read_every_steps` steps (as a batch
+    begins: the monitor has no batch-end hook) and at each epoch end the
+    monitor reads them exactly, attributes each to a layer, and writes:
 
     - TensorBoard run `<log_dir>/amp`: `amp/loss_scale` and `amp/skipped_steps`
       (cumulative) at the global train step; `amp/overflow_events`,
@@ -54,11 +54,17 @@ class AMPMonitor(keras.callbacks.Callback):
     `amp_events.jsonl` with its run number (`"run"`), and its TensorBoard
     steps continue after the previous run's.
 
-    Backward overflows are attributed from our `LossScaleOptimizer`'s
-    per-variable records to the implicated layer closest to the loss; forward
-    overflows (Inf/NaN loss) by replaying the step's batch to find the first
-    layer whose output went non-finite. With Keras's own scaler events come from
-    scale changes (forward ones still attributed); with no scaler (bfloat16) the
+    With our `LossScaleOptimizer` the events are the scaler's own records
+    (`read_records`); the monitor's in-graph recorder only keeps the batch of
+    an overflow step for the replay. Backward overflows are attributed from
+    the scaler's per-variable records to the implicated layer closest to the
+    loss; forward overflows (Inf/NaN loss) by replaying the step's batch to
+    find the innermost layer whose inputs were finite and output was not. A
+    backward overflow at a trusted scale is replayed too, and named as a
+    forward overflow when the replay finds such a layer: a forward overflow
+    can stay hidden from the loss (TensorFlow's Eigen max pooling, used with
+    oneDNN off, drops NaNs). With Keras's own scaler events come from scale
+    changes (forward ones still attributed); with no scaler (bfloat16) the
     monitor watches for Inf/NaN losses and recommends
     `LossScaleOptimizer.guard`. With `adapt=True` the rule of
     `keras_amp_plus.callbacks._adaptation` moves layers between lists at epoch
@@ -163,14 +169,13 @@ class AMPMonitor(keras.callbacks.Callback):
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         if isinstance(self.log_dir, bytes):
             self.log_dir = os.fsdecode(self.log_dir)
-        self.lists = checks.as_lists(lists)
         self.engine = engine
         self.adapt = adapt
         self.trusted_backward_scale = float(trusted_backward_scale)
         self.read_every_steps = read_every_steps
         self.replay = replay
         self.exclude_skipped_steps = exclude_skipped_steps
-        self.rule = AdaptationRule(
+        rule = AdaptationRule(
             deny_threshold,
             patience,
             cooldown,
@@ -178,63 +183,61 @@ class AMPMonitor(keras.callbacks.Callback):
             evidence_decay=float(evidence_decay),
             trusted_backward_scale=self.trusted_backward_scale,
         )
-        self.state = MonitorState(lists=self.lists.get_config())
+        # The one owner of the state, the lists and the rule's memory.
+        self._memory = MonitorMemory(checks.as_lists(lists), rule)
         self._session = None
         self._step_cache = None
+
+    @property
+    def lists(self) -> PrecisionLists:
+        """The current lists (the initial ones until a change or a resume)."""
+        return self._memory.lists
+
+    @lists.setter
+    def lists(self, lists) -> None:
+        self._memory.set_lists(checks.as_lists(lists))
+
+    @property
+    def state(self):
+        """The `MonitorState` a resumed `fit` continues from."""
+        return self._memory.state
+
+    @property
+    def rule(self) -> AdaptationRule:
+        """The `AdaptationRule` that moves layers between lists."""
+        return self._memory.rule
 
     # -- fit hooks ---------------------------------------------------------------
     def on_train_begin(self, logs=None):
         """Check everything that could fail, then instrument the model."""
-        self._session = monitor_session.MonitorSession(self, self.model)
+        self._session = monitor_session.MonitorSession(
+            self, self.model, self._memory, self._step_cache
+        )
         # Public from here on: the engine really used, for precision_report.
         self.engine = self._session.engine
 
     def on_epoch_begin(self, epoch, logs=None):
         """Resume or start the record (first epoch), reset epoch counters."""
-        session = self._session
-        if not session.started:
-            session.start(epoch)
-        session.begin_epoch(epoch)
+        self._session.begin_epoch(epoch)
 
-    def on_train_batch_end(self, batch, logs=None):
-        """Read the counters every `read_every_steps` steps."""
-        self._session.after_batch(batch)
+    def on_train_batch_begin(self, batch, logs=None):
+        """Read the records every `read_every_steps` steps.
+
+        At the beginning of a batch, not its end: a batch-end hook makes
+        Keras convert every step's logs on the host before the next step
+        starts (it dispatches batch-end hooks to a thread only when no
+        callback has one), which costs more than the whole monitor.
+        """
+        self._session.before_batch(batch)
 
     def on_epoch_end(self, epoch, logs=None):
         """Report the epoch, adapt the lists, save the state."""
-        session = self._session
-        session.epoch_events.extend(session.drain(force_scalars=True))
-        epoch_events = session.epoch_events
-        steps = session.steps_in_epoch()
-        evidence = self.rule.evidence(epoch_events)
-        session.report_epoch(epoch, epoch_events, steps, evidence)
-        if logs is not None:
-            logs["overflow_events"] = len(epoch_events)
-            if (
-                self.exclude_skipped_steps
-                and session.has_scaler()
-                and steps
-                and len(epoch_events) >= steps
-                and "loss" in logs
-            ):
-                # Every step was skipped: no loss was averaged (Keras reports 0).
-                logs["loss"] = float("nan")
-        if self.adapt:
-            changes = session.adapt(epoch, evidence)
-            if changes:
-                step = self.state.epoch_offset + epoch
-                session.log.text("amp/changes", changes_markdown(changes), step)
-                # The new lists take effect from the next epoch.
-                session.log.text("amp/lists", self.lists.to_markdown(), step + 1)
-        if logs is not None and session.loss_scale() is not None:
-            # After `adapt`, which may have put the scale back.
-            logs["loss_scale"] = session.loss_scale()
-        session.end_epoch(epoch)
+        self._session.end_epoch(epoch, logs)
 
     def on_train_end(self, logs=None):
         """Flush the logs and give the model its own train step back."""
         if self._session is not None:
-            self._session.close()
+            self._step_cache = self._session.close()
 
     # -- serialization -----------------------------------------------------------
     def get_config(self) -> dict:

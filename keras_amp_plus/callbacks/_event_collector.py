@@ -1,22 +1,27 @@
-"""Turn the raw in-graph records into attributed overflow events.
+"""Turn overflow records into attributed overflow events.
 
-Sources, from most to least detail:
+One source of events, the most detailed there is:
 
-- our `LossScaleOptimizer`: its event ring buffer gives, per skipped step, the
-  scale before and after, NaN or Inf, and which variables had non-finite
-  gradients (backward attribution);
-- Keras's own scaler: the monitor's ring sees the scale go down (a skipped
-  step) but not which gradients overflowed;
-- no scaler: only steps whose loss is Inf/NaN are events.
+- our `LossScaleOptimizer`: its `OverflowRecord`s give, per skipped step, the
+  scale before and after, NaN or Inf, whether the loss was finite and which
+  variables had non-finite gradients (backward attribution);
+- otherwise the monitor's `StepRecorder`: with Keras's own scaler it sees the
+  scale go down (a skipped step) but not which gradients overflowed; with no
+  scaler only steps whose loss is Inf/NaN are events.
 
 In every case a step whose loss is Inf/NaN is a forward overflow and is
 attributed by replaying the stashed batch (`attribution.find_forward_overflow`).
+A backward overflow at a trusted scale is replayed too: a forward overflow can
+stay hidden from the loss (TensorFlow's Eigen max pooling, used with oneDNN
+off, drops NaNs) and show only as non-finite gradients, which would blame the
+layers nearest the loss; when the replay finds a layer whose inputs were
+finite and whose output was not, that layer is named (a forward overflow).
 """
 
 import logging
 
 from keras_amp_plus.callbacks import _attribution as attribution
-from keras_amp_plus.callbacks._step_recorder import SCALER_KAP
+from keras_amp_plus.optimizers import LossScaleOptimizer
 
 logger = logging.getLogger("keras_amp_plus")
 
@@ -28,14 +33,16 @@ class EventCollector:
         model: the model being trained.
         recorder: the installed `StepRecorder`.
         index: the model's `LayerIndex`.
+        rule: the `AdaptationRule` (which backward overflows are trusted).
         replay: whether forward overflows are replayed to find their layer.
             Defaults to `True`.
     """
 
-    def __init__(self, model, recorder, index, replay: bool = True):
+    def __init__(self, model, recorder, index, rule, replay: bool = True):
         self.model = model
         self.recorder = recorder
         self.index = index
+        self.rule = rule
         self.replay = replay
         self.recorder_cursor = 0
         self.scaler_cursor = 0
@@ -48,8 +55,26 @@ class EventCollector:
 
     def collect(self, epoch: int) -> list[dict]:
         """Return the events recorded since the last call, attributed."""
-        raw, count = self.recorder.read_events(self.recorder_cursor)
-        lost = count - self.recorder_cursor - len(raw)
+        records = self._read()
+        if not records:
+            return []
+        self.index.set_call_order(self.recorder.call_order)
+        return [self._attribute(record, epoch) for record in records]
+
+    def _read(self):
+        """Return the new `OverflowRecord`s of the one source there is."""
+        optimizer = self.model.optimizer
+        if isinstance(optimizer, LossScaleOptimizer):
+            current = int(optimizer.overflow_count.numpy())
+            if current < self.scaler_cursor:
+                # The optimizer was reset or replaced (e.g. weights loaded
+                # without its variables): read from its current count on.
+                self.scaler_cursor = current
+            records = optimizer.read_records(self.scaler_cursor)
+            self.scaler_cursor = current
+            return records
+        records, count = self.recorder.read_records(self.recorder_cursor)
+        lost = count - self.recorder_cursor - len(records)
         if lost:
             logger.warning(
                 "AMPMonitor lost %d overflow events: more events than the ring "
@@ -58,27 +83,7 @@ class EventCollector:
                 lost,
             )
         self.recorder_cursor = count
-        if not raw:
-            return []
-        self.index.set_call_order(self.recorder.call_order)
-        detail = self._scaler_detail(raw)
-        return [
-            self._attribute(event, detail.get(event["step"]), epoch) for event in raw
-        ]
-
-    def _scaler_detail(self, raw):
-        """Return `{step: event}` from our LossScaleOptimizer's own ring buffer."""
-        optimizer = self.recorder.optimizer
-        if self.recorder.kind != SCALER_KAP:
-            return {}
-        current = int(optimizer.overflow_count.numpy())
-        if current < self.scaler_cursor:
-            # The optimizer was reset or replaced (e.g. weights loaded without
-            # its variables): read from its current count on.
-            self.scaler_cursor = current
-        events = optimizer.read_events(self.scaler_cursor)
-        self.scaler_cursor = current
-        return {event["step"]: event for event in events}
+        return records
 
     def _forward_culprit(self):
         step, data = self.recorder.stashed_batch()
@@ -92,48 +97,63 @@ class EventCollector:
             }
         return step, self._replayed[step]
 
-    def _unwatched_forward(self, event, detail):
+    def _unwatched_forward(self, record):
         """Return True for a possible forward overflow the loss did not show.
 
         Only when the loss was not watched (a custom `train_step`) and every
         gradient was non-finite; the replay then confirms it or finds nothing.
         """
-        if self.recorder.loss_watched or detail is None:
+        optimizer = self.model.optimizer
+        if record.loss_finite is not None or not isinstance(
+            optimizer, LossScaleOptimizer
+        ):
             return False
-        tracked = self.recorder.optimizer.tracked_variable_paths()
-        return bool(tracked) and set(detail["variables"]) == set(tracked)
+        tracked = optimizer.tracked_variable_paths()
+        return bool(tracked) and set(record.variables) == set(tracked)
 
-    def _attribute(self, event, detail, epoch):
-        implicated = []
-        kind = "nan" if event["loss_has_nan"] else "inf"
-        if detail is not None:
-            implicated = self.index.layers_of_variables(detail["variables"])
-            kind = "nan" if detail["has_nan"] else "inf"
-        elif not event["loss_nonfinite"] and self.recorder.kind != SCALER_KAP:
+    def _trusted_backward(self, record):
+        """Return True for a backward overflow that counts against a layer."""
+        return record.loss_finite is not False and self.rule.is_trusted(
+            {"direction": "backward", "scale_before": record.scale_before}
+        )
+
+    def _attribute(self, record, epoch):
+        implicated = self.index.layers_of_variables(record.variables)
+        loss_nonfinite = record.loss_finite is False
+        kind = "nan" if record.has_nan else "inf"
+        if not loss_nonfinite and not isinstance(
+            self.model.optimizer, LossScaleOptimizer
+        ):
             kind = "unknown"  # Keras's scaler does not say which gradient
-        record = {
+        event = {
             "type": "overflow",
-            "step": event["step"],
+            "step": record.step,
             "epoch": epoch,
-            "scale_before": event["scale_before"],
-            "scale_after": event["scale_after"],
+            "scale_before": record.scale_before,
+            "scale_after": record.scale_after,
             "kind": kind,
             "implicated_layers": implicated,
         }
         culprit = None
-        if event["loss_nonfinite"] or self._unwatched_forward(event, detail):
+        if (
+            loss_nonfinite
+            or self._unwatched_forward(record)
+            or self._trusted_backward(record)
+        ):
             step, culprit = self._forward_culprit()
-        if culprit is not None and (event["loss_nonfinite"] or culprit["layer"]):
-            record["direction"] = "forward"
-            record["layers"] = [culprit["layer"]] if culprit["layer"] else []
-            record["evidence"] = f"replay of step {step}: {culprit['reason']}"
+        if culprit is not None and (loss_nonfinite or culprit["layer"]):
+            event["direction"] = "forward"
+            event["layers"] = [culprit["layer"]] if culprit["layer"] else []
+            event["evidence"] = f"replay of step {step}: {culprit['reason']}"
+            if not loss_nonfinite:
+                event["evidence"] += " (the loss stayed finite)"
         else:
             origin = self.index.backward_origin(implicated)
-            record["direction"] = "backward"
-            record["layers"] = [origin] if origin else []
-            record["evidence"] = (
+            event["direction"] = "backward"
+            event["layers"] = [origin] if origin else []
+            event["evidence"] = (
                 "implicated layer closest to the loss"
                 if origin
                 else "the scaler records no per-variable detail"
             )
-        return record
+        return event

@@ -1,24 +1,26 @@
 """One `fit` as seen by `AMPMonitor`: instrumentation, reads, writes, resume.
 
 `MonitorSession.__init__` runs in `on_train_begin` and does every check of
-`keras_amp_plus.callbacks._checks` before it touches the model.
+`keras_amp_plus.callbacks._checks` before it touches the model. The session
+reads the monitor's settings; what the monitor knows across `fit` calls (its
+state, lists and rule) it changes only through the `MonitorMemory` it is given.
 """
 
 import logging
 
 from keras_amp_plus import _compat
-from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import _checks as checks
 from keras_amp_plus.callbacks import _state as state_module
 from keras_amp_plus.callbacks._attribution import LayerIndex
 from keras_amp_plus.callbacks._event_collector import EventCollector
-from keras_amp_plus.callbacks._event_log import EventLog
+from keras_amp_plus.callbacks._event_log import EventLog, changes_markdown
 from keras_amp_plus.callbacks._list_editor import ListEditor
 from keras_amp_plus.callbacks._step_recorder import (
     SCALER_KAP,
     SCALER_NONE,
     StepRecorder,
 )
+from keras_amp_plus.optimizers import LossScaleOptimizer
 
 logger = logging.getLogger("keras_amp_plus")
 
@@ -61,40 +63,58 @@ class StepCache:
             and model.train_function is self.plain_function
             and self.recorder.capacity == capacity
             and self.recorder.exclude_skipped_steps == monitor.exclude_skipped_steps
+            and self.recorder.trusted_backward_scale == monitor.trusted_backward_scale
         )
 
 
 class MonitorSession:
-    """State of one `fit` call (see module doc)."""
+    """One `fit` call as the monitor sees it (see module doc).
 
-    def __init__(self, monitor, model):
+    Args:
+        monitor: the `AMPMonitor` (its settings are read, never written).
+        model: the model being trained.
+        memory: the monitor's `MonitorMemory`.
+        step_cache: the `StepCache` of the monitor's previous `fit`, or None.
+    """
+
+    def __init__(self, monitor, model, memory, step_cache=None):
         self.monitor = monitor
         self.model = model
+        self.memory = memory
         self.engine = checks.check_fit_setup(monitor, model)
         optimizer = model.optimizer
         if not _compat.optimizer_built(optimizer):
             # The scaler's variables are read by the wrapped step from its
             # first trace on; `BackupAndRestore` builds it the same way.
             optimizer.build(model.trainable_variables)
-        capacity = getattr(optimizer, "event_buffer_size", checks.DEFAULT_CAPACITY)
+        capacity = (
+            optimizer.event_buffer_size
+            if isinstance(optimizer, LossScaleOptimizer)
+            else checks.DEFAULT_CAPACITY
+        )
         self.read_every = monitor.read_every_steps or capacity
         checks.check_read_interval(self.read_every, model.steps_per_execution, capacity)
         self.index = LayerIndex(model)
-        cache = monitor._step_cache
+        cache = step_cache
         if cache is not None and cache.fits(model, capacity, monitor):
             # Nothing changed since the last `fit`: reuse the traced step.
             self.recorder = cache.recorder
             self.recorder.install()
             model.train_function = cache.wrapped_function
         else:
-            self.recorder = StepRecorder(model, capacity, monitor.exclude_skipped_steps)
+            self.recorder = StepRecorder(
+                model,
+                capacity,
+                monitor.exclude_skipped_steps,
+                monitor.trusted_backward_scale,
+            )
             self.recorder.install()
             # `fit` built its train function before `on_train_begin`;
             # rebuilding it (not deleting it) makes the next step trace
             # through the wrappers.
             model.make_train_function(force=True)
         self.collector = EventCollector(
-            model, self.recorder, self.index, monitor.replay
+            model, self.recorder, self.index, memory.rule, monitor.replay
         )
         self.editor = ListEditor(self.engine, self.index)
         self.log = EventLog(monitor.log_dir)
@@ -107,7 +127,8 @@ class MonitorSession:
     def start(self, epoch: int) -> None:
         """Continue the monitor's record at `epoch` (resume or fresh start)."""
         monitor = self.monitor
-        state = monitor.state
+        memory = self.memory
+        state = memory.state
         continuing = state.epoch >= 0
         snapshots = state_module.load_snapshots(monitor.log_dir)
         if not continuing:
@@ -132,18 +153,16 @@ class MonitorSession:
             # The same monitor in a new `fit` that numbers epochs from 0 again.
             state.epoch_offset += state.epoch + 1 - epoch
         self.snapshots = {e: s.to_dict() for e, s in snapshots.items()}
-        monitor.state = state
-        monitor.lists = PrecisionLists.from_config(state.lists)
-        monitor.rule.set_state(state.adaptation.get("rule", {}))
+        memory.resume(state)
         self.editor.set_state(state.adaptation.get("editor", {}))
         self.recorder.restore_counters(state.total_steps, state.recorder_events)
         self.collector.set_cursors(state.recorder_events, state.scaler_events)
         # A new run appends; a resumed one cuts the interrupted epoch's lines.
         self.log.open(keep_lines=state.jsonl_lines if continuing else None)
         # A graph engine switches its rewrite on even with empty lists.
-        self.engine.start(self.model, monitor.lists)
+        self.engine.start(self.model, memory.lists)
         self.log.text(
-            "amp/lists", monitor.lists.to_markdown(), state.epoch_offset + epoch
+            "amp/lists", memory.lists.to_markdown(), state.epoch_offset + epoch
         )
         self.started = True
 
@@ -154,18 +173,24 @@ class MonitorSession:
 
     # -- per step / per epoch ----------------------------------------------------
     def begin_epoch(self, epoch: int) -> None:
-        """Reset the epoch's counters."""
+        """Start or resume the record (first epoch); reset the epoch's counters."""
+        if not self.started:
+            self.start(epoch)
         self.epoch = epoch
         self.epoch_events = []
         self.last_batch = -1
-        self.steps_since_read = 0
+        self.read_at = 0
 
-    def after_batch(self, batch: int) -> None:
-        """Count steps; read the counters every `read_every` steps."""
-        self.steps_since_read += batch - self.last_batch
+    def before_batch(self, batch: int) -> None:
+        """Read the records when `read_every` steps finished since the last read.
+
+        Called as batch `batch` begins, when steps `0 .. batch - 1` of the
+        epoch are done.
+        """
         self.last_batch = batch
-        if self.steps_since_read >= self.read_every:
+        if batch - self.read_at >= self.read_every:
             self.epoch_events.extend(self.drain())
+            self.read_at = batch
 
     def steps_in_epoch(self) -> int:
         """Return the number of train steps of the current epoch."""
@@ -177,10 +202,9 @@ class MonitorSession:
         The step scalars are written when they changed (or when forced, at the
         end of an epoch): most reads find nothing new and cost one host read.
         """
-        self.steps_since_read = 0
         events = self.collector.collect(self.epoch)
-        state = self.monitor.state
-        rule = self.monitor.rule
+        state = self.memory.state
+        rule = self.memory.rule
         for event in events:
             event["trusted"] = rule.is_trusted(event)
             event["run"] = state.run
@@ -202,7 +226,7 @@ class MonitorSession:
         """Return the TensorBoard step of train step `step` (default: the last)."""
         if step is None:
             step = int(self.recorder.total_steps.numpy())
-        return self.monitor.state.step_offset + step
+        return self.memory.state.step_offset + step
 
     def _scale_points(self, event) -> None:
         """Put the scale before and after an event on `amp/loss_scale`."""
@@ -215,7 +239,7 @@ class MonitorSession:
 
     def _note_forward_scale(self, event) -> None:
         """Remember the scale before the first forward overflow (see `adapt`)."""
-        adaptation = self.monitor.state.adaptation
+        adaptation = self.memory.state.adaptation
         if (
             event["direction"] == "forward"
             and event["layers"]
@@ -231,12 +255,13 @@ class MonitorSession:
         halves it at each one; once the layer is denied the scale would need
         thousands of clean steps to grow back.
         """
-        adaptation = self.monitor.state.adaptation
+        adaptation = self.memory.state.adaptation
         target = adaptation.pop("scale_before_forward", None)
         if target is None or not self.has_scaler():
             return
         optimizer = self.model.optimizer
-        target = min(target, getattr(optimizer, "max_scale", target))
+        if isinstance(optimizer, LossScaleOptimizer):
+            target = min(target, optimizer.max_scale)
         current = self.loss_scale()
         if target <= current:
             return
@@ -249,7 +274,7 @@ class MonitorSession:
             {
                 "type": "scale_restored",
                 "epoch": epoch,
-                "run": self.monitor.state.run,
+                "run": self.memory.state.run,
                 "from": current,
                 "to": target,
             }
@@ -282,7 +307,7 @@ class MonitorSession:
         # The ITEX engine reads its rewrite log (when one is set) to notice a
         # rewrite that silently did not happen.
         self.engine.check_rewrites()
-        state = self.monitor.state
+        state = self.memory.state
         seen = state.adaptation.setdefault("overflowed_layers", [])
         seen.extend(layer for layer in sorted(evidence) if layer not in seen)
         searching = [e for e in events if not e.get("trusted", True)]
@@ -332,11 +357,11 @@ class MonitorSession:
 
     def adapt(self, epoch, evidence) -> list:
         """Apply the adaptation rule; return the list changes made."""
-        monitor = self.monitor
-        lists = monitor.lists
+        memory = self.memory
+        lists = memory.lists
         denied = self.editor.denied_layers(self.model, lists)
         changes = []
-        for decision in monitor.rule.decide(epoch, evidence, denied):
+        for decision in memory.rule.decide(epoch, evidence, denied):
             lists, moved = self.editor.apply(lists, decision)
             for change in moved:
                 change.update(reason=decision.reason, evidence=decision.evidence)
@@ -344,7 +369,7 @@ class MonitorSession:
                     {
                         "type": "list_change",
                         "epoch": epoch,
-                        "run": monitor.state.run,
+                        "run": memory.state.run,
                         **change,
                     }
                 )
@@ -360,36 +385,63 @@ class MonitorSession:
                 )
             changes.extend(moved)
         if changes:
-            monitor.lists = lists
+            memory.set_lists(lists)
             self.engine.apply(self.model, lists)
             if any(change["to"] == "deny" for change in changes):
                 self.restore_scale(epoch)
         return changes
 
-    def end_epoch(self, epoch: int) -> None:
-        """Snapshot everything a resumed `fit` needs."""
-        monitor = self.monitor
-        state = monitor.state
-        state.epoch = epoch
-        state.lists = monitor.lists.get_config()
-        state.adaptation.update(
-            rule=monitor.rule.get_state(), editor=self.editor.get_state()
+    def end_epoch(self, epoch: int, logs: dict | None) -> None:
+        """Report the epoch, adapt the lists, fill `logs`, save the state."""
+        self.epoch_events.extend(self.drain(force_scalars=True))
+        events = self.epoch_events
+        steps = self.steps_in_epoch()
+        memory = self.memory
+        evidence = memory.rule.evidence(events)
+        self.report_epoch(epoch, events, steps, evidence)
+        if logs is not None:
+            logs["overflow_events"] = len(events)
+            if (
+                self.monitor.exclude_skipped_steps
+                and self.has_scaler()
+                and steps
+                and len(events) >= steps
+                and "loss" in logs
+            ):
+                # Every step was skipped: no loss was averaged (Keras reports 0).
+                logs["loss"] = float("nan")
+        if self.monitor.adapt:
+            changes = self.adapt(epoch, evidence)
+            if changes:
+                step = memory.state.epoch_offset + epoch
+                self.log.text("amp/changes", changes_markdown(changes), step)
+                # The new lists take effect from the next epoch.
+                self.log.text("amp/lists", memory.lists.to_markdown(), step + 1)
+        if logs is not None and self.loss_scale() is not None:
+            # After `adapt`, which may have put the scale back.
+            logs["loss_scale"] = self.loss_scale()
+        self._snapshot(epoch)
+
+    def _snapshot(self, epoch: int) -> None:
+        """Save everything a resumed `fit` needs."""
+        state = self.memory.snapshot(
+            epoch,
+            self.editor.get_state(),
+            total_steps=int(self.recorder.total_steps.numpy()),
+            recorder_events=self.collector.recorder_cursor,
+            scaler_events=self.collector.scaler_cursor,
+            jsonl_lines=self.log.lines_written,
         )
-        state.total_steps = int(self.recorder.total_steps.numpy())
-        state.recorder_events = self.collector.recorder_cursor
-        state.scaler_events = self.collector.scaler_cursor
-        state.jsonl_lines = self.log.lines_written
-        state_module.save_snapshot(monitor.log_dir, state, self.snapshots)
+        state_module.save_snapshot(self.monitor.log_dir, state, self.snapshots)
         self.log.flush()
 
-    def close(self) -> None:
-        """Flush, close and uninstall (end of `fit`)."""
+    def close(self) -> StepCache:
+        """Flush, close and uninstall (end of `fit`); return the step to reuse."""
         self.log.close()
         wrapped = self.model.train_function
         self.recorder.uninstall()
         self.model.make_train_function(force=True)
-        self.monitor._step_cache = StepCache(
-            self.model, self.recorder, self.model.train_function, wrapped
-        )
+        cache = StepCache(self.model, self.recorder, self.model.train_function, wrapped)
         if self.engine.level == "op":
             self.engine.restore()
+        return cache

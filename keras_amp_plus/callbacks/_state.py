@@ -17,6 +17,9 @@ import dataclasses
 import json
 import os
 
+from keras_amp_plus._lists.precision_lists import PrecisionLists
+from keras_amp_plus.callbacks._adaptation import AdaptationRule
+
 STATE_FILE = "amp_state.json"
 FORMAT_VERSION = 1
 SNAPSHOTS_KEPT = 3
@@ -70,6 +73,58 @@ class MonitorState:
         """Rebuild a state from `to_dict()` output, ignoring unknown keys."""
         names = {field.name for field in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+class MonitorMemory:
+    """The one owner of what the monitor knows: its state, lists and rule.
+
+    `AMPMonitor.lists`, `.state` and `.rule` read from it; the per-`fit`
+    session changes them only through it, so the three never disagree (the
+    lists in `state.lists` are always `lists`'s config, the rule's memory
+    is put in `state.adaptation` at each snapshot).
+
+    Args:
+        lists: the initial `PrecisionLists`.
+        rule: the monitor's `AdaptationRule`.
+
+    Example:
+    >>> memory = MonitorMemory(PrecisionLists(), AdaptationRule())
+    >>> memory.set_lists(PrecisionLists(deny_layers=("head",)))
+    >>> memory.state.lists["deny_layers"]
+    ['head']
+    """
+
+    def __init__(self, lists: PrecisionLists, rule: AdaptationRule):
+        self.rule = rule
+        self.lists = lists
+        self.state = MonitorState(lists=lists.get_config())
+
+    def set_lists(self, lists: PrecisionLists) -> None:
+        """Make `lists` the current lists."""
+        self.lists = lists
+        self.state.lists = lists.get_config()
+
+    def resume(self, state: MonitorState) -> None:
+        """Continue from a saved `state`: its lists and the rule's memory."""
+        self.state = state
+        self.lists = PrecisionLists.from_config(state.lists)
+        self.rule.set_state(state.adaptation.get("rule", {}))
+
+    def snapshot(self, epoch: int, editor_state: dict, **counters) -> MonitorState:
+        """Fold the end of `epoch` into the state and return it.
+
+        Args:
+            epoch: the epoch that ended.
+            editor_state: the list editor's memory (how to undo its moves).
+            **counters: `MonitorState` fields to set (cursors, step counts).
+        """
+        state = self.state
+        state.epoch = epoch
+        state.lists = self.lists.get_config()
+        state.adaptation.update(rule=self.rule.get_state(), editor=editor_state)
+        for name, value in counters.items():
+            setattr(state, name, value)
+        return state
 
 
 def state_path(log_dir: str) -> str:

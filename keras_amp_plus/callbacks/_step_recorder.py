@@ -1,14 +1,18 @@
-"""In-graph recording of overflow events, read by `AMPMonitor` every N steps.
+"""In-graph recording of what the loss scaler cannot see, read every N steps.
 
 The recorder wraps the model's `train_step` and `compute_loss` on the instance
 (both are public override points: Keras's TF trainer calls `self.train_step(data)`
 inside the compiled train function, and `train_step` calls `self.compute_loss`).
-Inside the compiled step it compares the loss scale before and after the step and
-checks the loss for Inf/NaN, and only on an overflow step (inside a `tf.cond`,
-so normal steps pay a few scalar ops) writes one slot of a ring buffer of
-capacity K and copies the batch into shape-agnostic variables so that the
-monitor can replay it later. Nothing is read by the host inside the step: the
-monitor reads the counters every N <= K steps, which keeps every event exact.
+
+With our `LossScaleOptimizer` the scaler records every overflow event itself
+(`OverflowRecord`s, with the loss's finiteness), and the recorder keeps only
+what the scaler cannot see: the batch of the last step whose loss was Inf/NaN,
+for the replay that names the layer, and the order the layers ran in. With
+Keras's own scaler or no scaler it also detects the events (the scale went
+down, or the loss was Inf/NaN) and writes them, only on an overflow step
+(inside a `tf.cond`, so normal steps pay a few scalar ops), to a ring buffer of
+capacity K. Nothing is read by the host inside the step: the monitor reads
+every N <= K steps, which keeps every event exact.
 
 Every update has a static shape (a slot is written with
 `tensor_scatter_nd_update`, never with an assignment at a run-time index), so
@@ -32,6 +36,7 @@ import tensorflow as tf
 from keras_amp_plus import _compat
 from keras_amp_plus._lists.layer_names import candidate_layers
 from keras_amp_plus.optimizers import LossScaleOptimizer
+from keras_amp_plus.optimizers._overflow_record import OverflowRecord
 
 SCALER_KAP = "keras_amp_plus"
 SCALER_KERAS = "keras"
@@ -71,6 +76,13 @@ def _put(buffer, slot, value):
     buffer.assign(updated)
 
 
+def _restore(saved):
+    """Assign each `(variable, value before the step)` pair back."""
+    for variable, before in saved:
+        variable.assign(before)
+    return tf.constant(0)
+
+
 def _all_replicas_any(flag):
     """Return True on every replica when `flag` is True on any of them."""
     context = tf.distribute.get_replica_context()
@@ -81,11 +93,11 @@ def _all_replicas_any(flag):
 
 
 class StepRecorder:
-    """Counts overflow steps in graph variables and keeps the last bad batch.
+    """Keeps the last bad batch; detects events when our scaler is not there.
 
-    An event is a step on which the scaler skipped the update (ours: its
-    `last_step_skipped`; Keras's: the loss scale went down) or, for every
-    scaler and for none, a step whose loss was Inf or NaN.
+    With Keras's scaler or none, an event is a step on which the scale went
+    down (a skipped step) or whose loss was Inf or NaN; with ours the scaler
+    records the events (see module doc).
 
     Args:
         model: the compiled Keras model to instrument.
@@ -93,34 +105,32 @@ class StepRecorder:
         exclude_skipped_steps: put the model's metrics back to their values
             before a step the scaler skipped, so its Inf/NaN loss is not
             averaged into the epoch's `loss`. Defaults to `True`.
+        trusted_backward_scale: the batch of a step skipped at a loss scale at
+            or below this is kept too: a forward overflow hidden from the
+            loss (max pooling can drop NaNs) shows only as such a step, and
+            the replay finds it. Defaults to `1.0`.
     """
 
-    def __init__(self, model, capacity: int, exclude_skipped_steps: bool = True):
+    def __init__(
+        self,
+        model,
+        capacity: int,
+        exclude_skipped_steps: bool = True,
+        trusted_backward_scale: float = 1.0,
+    ):
         self.model = model
         self.optimizer = model.optimizer
         self.kind = scaler_kind(self.optimizer)
         self.capacity = capacity
         self.exclude_skipped_steps = exclude_skipped_steps
+        self.trusted_backward_scale = float(trusted_backward_scale)
         self.strategy = model.distribute_strategy
         with self.strategy.scope():
             self.total_steps = _variable("amp_monitor_total_steps", (), tf.int64)
             self.event_count = _variable("amp_monitor_event_count", (), tf.int64)
-            self.event_steps = _variable(
-                "amp_monitor_event_steps", [capacity], tf.int64
-            )
-            self.scales_before = _variable(
-                "amp_monitor_scales_before", [capacity], tf.float32
-            )
-            self.scales_after = _variable(
-                "amp_monitor_scales_after", [capacity], tf.float32
-            )
-            self.loss_nonfinite = _variable(
-                "amp_monitor_loss_nonfinite", [capacity], tf.int64
-            )
-            self.loss_has_nan = _variable(
-                "amp_monitor_loss_has_nan", [capacity], tf.int64
-            )
             self.stash_step = _variable("amp_monitor_stash_step", (), tf.int64)
+            # Our scaler records the events itself: no ring of our own then.
+            self.ring = None if self.kind == SCALER_KAP else _EventRing(capacity)
         self._stash_variables = None
         self._stash_structure = None
         # Replicas of a MirroredStrategy trace the step in their own threads.
@@ -164,9 +174,9 @@ class StepRecorder:
             if order.layers:
                 self.call_order = order.layers
             losses, self._local.losses = self._local.losses, None
-            skipped = self._record_step(data, scale_before, losses)
+            self._record_step(data, scale_before, losses, saved_metrics)
             if saved_metrics is not None:
-                outputs = self._forget_skipped(skipped, saved_metrics, outputs)
+                outputs = self._metrics_result(outputs)
             return outputs
 
         compute_loss._amp_monitor_original = self._saved_attributes["compute_loss"]
@@ -187,7 +197,7 @@ class StepRecorder:
 
     # -- graph side --------------------------------------------------------------
     def _read_scale(self):
-        if self.kind == SCALER_NONE:
+        if self.kind != SCALER_KERAS:  # ours records it; none has no scale
             return tf.constant(float("nan"), tf.float32)
         scale = _compat.current_loss_scale(self.optimizer)
         return tf.identity(tf.cast(scale, tf.float32))
@@ -201,23 +211,19 @@ class StepRecorder:
         # Metrics built by this very step (the first trace) are not restored.
         return [(v, tf.identity(v)) for v in self._metric_variables()]
 
-    def _forget_skipped(self, skipped, saved, outputs):
-        """Put the metrics back as they were before a skipped step."""
-
-        def restore():
-            for variable, before in saved:
-                variable.assign(before)
-            return tf.constant(0)
-
-        # Only on a skipped step: normal steps pay no writes.
-        tf.cond(skipped, restore, lambda: tf.constant(0))
+    def _metrics_result(self, outputs):
+        """Return the step's logs from the metrics (put back on a skipped step)."""
         results = self.model.get_metrics_result()
         if isinstance(outputs, dict) and set(outputs) == set(results):
             return results
         return outputs
 
-    def _record_step(self, data, scale_before, losses):
-        """Record the step in the ring when it is an event; return `skipped`."""
+    def _record_step(self, data, scale_before, losses, saved_metrics):
+        """Record what the scaler cannot see, only on a skipped/overflow step.
+
+        Everything happens in one `tf.cond`, so a normal step pays a few
+        scalar ops and one conditional (each one costs under XLA).
+        """
         # A custom `train_step` may compute its loss without `compute_loss`:
         # then the loss is not watched and every event's batch is kept.
         self.loss_watched = bool(losses)
@@ -228,40 +234,74 @@ class StepRecorder:
             loss_nonfinite |= tf.reduce_any(~tf.math.is_finite(loss))
             loss_has_nan |= tf.reduce_any(tf.math.is_nan(loss))
         loss_nonfinite = _all_replicas_any(loss_nonfinite)
-        loss_has_nan = _all_replicas_any(loss_has_nan)
-        scale_after = self._read_scale()
-        if self.kind == SCALER_KAP:
-            skipped = self.optimizer.last_step_skipped > 0
-        elif self.kind == SCALER_KERAS:
-            skipped = scale_after < scale_before
-        else:
-            skipped = tf.constant(False)
-        is_event = skipped | loss_nonfinite
         self.total_steps.assign_add(1)
-        if self.kind == SCALER_KAP:
-            step = tf.cast(self.optimizer.total_steps, tf.int64)
-        else:
-            step = tf.convert_to_tensor(self.total_steps)
         leaves = self._stash_leaves(data)
-        keep = loss_nonfinite if self.loss_watched else tf.constant(True)
+        if self.kind == SCALER_KAP:
+            # Our scaler records the event; the batch is all that is ours.
+            skipped = self.optimizer.last_step_skipped > 0
+            step = tf.cast(self.optimizer.total_steps, tf.int64)
+            is_event = skipped
+            watched = loss_nonfinite if self.loss_watched else tf.constant(True)
+            # Read in the event branch only: normal steps pay nothing for it.
+            keep_fn = lambda: watched | self._at_trusted_scale()  # noqa: E731
+        else:
+            loss_has_nan = _all_replicas_any(loss_has_nan)
+            scale_after = self._read_scale()
+            if self.kind == SCALER_KERAS:
+                skipped = scale_after < scale_before
+            else:
+                skipped = tf.constant(False)
+            is_event = skipped | loss_nonfinite
+            step = tf.convert_to_tensor(self.total_steps)
+            keep = loss_nonfinite if self.loss_watched else tf.constant(True)
+            if self.kind == SCALER_KERAS:
+                keep |= skipped & self._at_trusted_scale(scale_after)
+            keep_fn = lambda: keep  # noqa: E731
 
-        def record():
-            slot = self.event_count % self.capacity
-            _put(self.event_steps, slot, step)
-            _put(self.scales_before, slot, scale_before)
-            _put(self.scales_after, slot, scale_after)
-            _put(self.loss_nonfinite, slot, loss_nonfinite)
-            _put(self.loss_has_nan, slot, loss_has_nan)
-            tf.cond(keep, stash, lambda: tf.constant(0))
-            self.event_count.assign_add(1)
+        def on_event():
+            if saved_metrics is not None:
+                # The skipped step's loss is left out of the epoch's averages.
+                tf.cond(
+                    skipped,
+                    lambda: _restore(saved_metrics),
+                    lambda: tf.constant(0),
+                )
+            if self.ring is not None:
+                self.ring.write(
+                    self.event_count,
+                    step,
+                    scale_before,
+                    scale_after,
+                    loss_nonfinite,
+                    loss_has_nan,
+                )
+                self.event_count.assign_add(1)
+            tf.cond(
+                keep_fn(), lambda: self._stash(leaves, step), lambda: tf.constant(0)
+            )
             return tf.constant(0)
 
-        def stash():
-            # Only forward overflows are replayed, so only their batch is kept.
-            fits = tf.constant(True)
-            for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
-                fits &= buffer.fits(tensor)
-            return tf.cond(fits, write_stash, lambda: tf.constant(0))
+        tf.cond(is_event, on_event, lambda: tf.constant(0))
+        return skipped
+
+    def _at_trusted_scale(self, scale_after=None):
+        """Return True when the scale after the step is at most the trusted one.
+
+        The scale after a skipped step is at most the scale it ran with, so
+        this keeps every batch skipped at a trusted scale (and a few more).
+        """
+        if scale_after is None:
+            scale_after = self._read_scale_of_our_scaler()
+        return scale_after <= self.trusted_backward_scale
+
+    def _read_scale_of_our_scaler(self):
+        return tf.cast(_compat.current_loss_scale(self.optimizer), tf.float32)
+
+    def _stash(self, leaves, step):
+        """Keep the batch of a forward overflow for the replay (if it fits)."""
+        fits = tf.constant(True)
+        for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
+            fits &= buffer.fits(tensor)
 
         def write_stash():
             for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
@@ -269,8 +309,7 @@ class StepRecorder:
             self.stash_step.assign(step)
             return tf.constant(0)
 
-        tf.cond(is_event, record, lambda: tf.constant(0))
-        return skipped
+        return tf.cond(fits, write_stash, lambda: tf.constant(0))
 
     def _stash_leaves(self, data):
         """Return the batch's tensors; create their stash buffers on first use."""
@@ -307,9 +346,10 @@ class StepRecorder:
         flat = [None if none else next(values) for none in is_none]
         return step, tf.nest.pack_sequence_as(structure, flat)
 
-    def read_events(self, since_count: int) -> tuple[list[dict], int]:
+    def read_records(self, since_count: int) -> tuple[list[OverflowRecord], int]:
         """Return the events recorded after the `since_count`-th and the new count.
 
+        Only with Keras's scaler or none (our scaler records its own events).
         Events older than the ring buffer's capacity are gone: then fewer than
         `count - since_count` events are returned.
         """
@@ -317,30 +357,63 @@ class StepRecorder:
         if count <= since_count:
             return [], count
         first = max(since_count, count - self.capacity)
-        slots = [index % self.capacity for index in range(first, count)]
-        steps = self.event_steps.numpy()[slots]
-        before = self.scales_before.numpy()[slots]
-        after = self.scales_after.numpy()[slots]
-        nonfinite = self.loss_nonfinite.numpy()[slots]
-        has_nan = self.loss_has_nan.numpy()[slots]
-        events = []
-        for i, index in enumerate(range(first, count)):
-            events.append(
-                {
-                    "index": index + 1,
-                    "step": int(steps[i]),
-                    "scale_before": _finite_or_none(before[i]),
-                    "scale_after": _finite_or_none(after[i]),
-                    "loss_nonfinite": bool(nonfinite[i]),
-                    "loss_has_nan": bool(has_nan[i]),
-                }
-            )
-        return events, count
+        records = self.ring.read(first, count, self.loss_watched)
+        return records, count
 
     def restore_counters(self, total_steps: int, event_count: int) -> None:
         """Set the counters after a resume so step numbers continue exactly."""
         self.total_steps.assign(total_steps)
         self.event_count.assign(event_count)
+
+
+class _EventRing:
+    """The last `capacity` events seen without our scaler, in graph variables.
+
+    Every update has a static shape (one-slot `tensor_scatter_nd_update`).
+    """
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.steps = _variable("amp_monitor_event_steps", [capacity], tf.int64)
+        self.scales_before = _variable(
+            "amp_monitor_scales_before", [capacity], tf.float32
+        )
+        self.scales_after = _variable(
+            "amp_monitor_scales_after", [capacity], tf.float32
+        )
+        self.loss_nonfinite = _variable(
+            "amp_monitor_loss_nonfinite", [capacity], tf.int64
+        )
+        self.loss_has_nan = _variable("amp_monitor_loss_has_nan", [capacity], tf.int64)
+
+    def write(self, count, step, scale_before, scale_after, nonfinite, has_nan):
+        """Write event number `count + 1` (0-based `count`) into its slot."""
+        slot = count % self.capacity
+        _put(self.steps, slot, step)
+        _put(self.scales_before, slot, scale_before)
+        _put(self.scales_after, slot, scale_after)
+        _put(self.loss_nonfinite, slot, nonfinite)
+        _put(self.loss_has_nan, slot, has_nan)
+
+    def read(self, first, count, loss_watched) -> list[OverflowRecord]:
+        """Return events `first + 1 .. count` as records (host side)."""
+        slots = [index % self.capacity for index in range(first, count)]
+        steps = self.steps.numpy()[slots]
+        before = self.scales_before.numpy()[slots]
+        after = self.scales_after.numpy()[slots]
+        nonfinite = self.loss_nonfinite.numpy()[slots]
+        has_nan = self.loss_has_nan.numpy()[slots]
+        return [
+            OverflowRecord(
+                index=index + 1,
+                step=int(steps[i]),
+                scale_before=_finite_or_none(before[i]),
+                scale_after=_finite_or_none(after[i]),
+                has_nan=bool(has_nan[i]),
+                loss_finite=not nonfinite[i] if loss_watched else None,
+            )
+            for i, index in enumerate(range(first, count))
+        ]
 
 
 class _StashBuffer:

@@ -71,7 +71,7 @@ def apply_unscaled(optimizer, grads, trainable_variables):
     _compat.apply_inner(optimizer.inner_optimizer, unscaled, trainable_variables)
 
 
-def _finish_step(optimizer, flags, apply_fn, has_nan_fn):
+def _finish_step(optimizer, flags, apply_fn, has_nan_fn, loss_state):
     """Count the step, then apply it or skip it and record the overflow."""
     num_tracked = len(optimizer._tracked.variables)
     finite = tf.reduce_all(flags)
@@ -88,18 +88,26 @@ def _finish_step(optimizer, flags, apply_fn, has_nan_fn):
         scale_after = _scale_schedule.after_skipped_step(optimizer, scale_before)
         nonfinite = tf.logical_not(flags[:num_tracked])
         _overflow_records.record_skipped_step(
-            optimizer, step, nonfinite, has_nan_fn(), scale_before, scale_after
+            optimizer,
+            step,
+            nonfinite,
+            has_nan_fn(),
+            scale_before,
+            scale_after,
+            loss_state,
         )
         _scale_schedule.act_at_floor(optimizer, step, scale_before)
 
     tf.cond(finite, apply_branch, skip_branch)
 
 
-def _apply_with_merge_call(optimizer, grads, trainable_variables, positions):
+def _apply_with_merge_call(
+    optimizer, grads, trainable_variables, positions, loss_state
+):
     """Decide and update once, in cross-replica context (MirroredStrategy on CPUs)."""
     num_tracked = len(optimizer._tracked.variables)
 
-    def cross_replica_step(distribution, grads, trainable_variables):
+    def cross_replica_step(distribution, grads, trainable_variables, loss_state):
         def stacked_per_replica(fn):
             per_replica = _compat.call_for_each_replica(distribution, fn, (grads,))
             return tf.stack(distribution.experimental_local_results(per_replica))
@@ -116,19 +124,24 @@ def _apply_with_merge_call(optimizer, grads, trainable_variables, positions):
 
         # A gradient is finite only if it is finite on every replica.
         flags = tf.reduce_all(stacked_per_replica(flags_fn), axis=0)
+        # The loss is not finite if it is not finite on any replica.
+        states = tf.stack(distribution.experimental_local_results(loss_state))
         _finish_step(
             optimizer,
             flags,
             apply_fn,
             lambda: tf.reduce_any(stacked_per_replica(any_nan)),
+            tf.reduce_max(states),
         )
 
     tf.distribute.get_replica_context().merge_call(
-        cross_replica_step, args=(grads, trainable_variables)
+        cross_replica_step, args=(grads, trainable_variables, loss_state)
     )
 
 
-def _apply_in_replica_context(optimizer, grads, trainable_variables, positions):
+def _apply_in_replica_context(
+    optimizer, grads, trainable_variables, positions, loss_state
+):
     """Decide and update in place (no strategy, or one without `merge_call`)."""
     flags = finite_flags(grads, positions, len(optimizer._tracked.variables))
     has_nan_fn = lambda: any_nan(grads)  # noqa: E731 - evaluated in the skip branch
@@ -140,11 +153,20 @@ def _apply_in_replica_context(optimizer, grads, trainable_variables, positions):
         )
         flags = tf.equal(summed[:-1], 0)
         has_nan_fn = lambda: summed[-1] > 0  # noqa: E731
+        loss_state = context_max(loss_state)
     _finish_step(
         optimizer,
         flags,
         lambda: apply_unscaled(optimizer, grads, trainable_variables),
         has_nan_fn,
+        loss_state,
+    )
+
+
+def context_max(value):
+    """Return the largest of the replicas' `value` (every replica agrees)."""
+    return tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.MAX, value
     )
 
 
@@ -159,7 +181,14 @@ def apply_step(optimizer, grads, trainable_variables=None) -> None:
         else list(trainable_variables)
     )
     positions = optimizer._tracked.positions(variables)
+    # Finite, non-finite or not seen (a custom step that never scaled it);
+    # the codes are ordered so that the largest over replicas is the answer.
+    loss_state = optimizer._loss_watch.take()
     if tf.distribute.has_strategy() and not _compat.strategy_supports_no_merge_call():
-        _apply_with_merge_call(optimizer, grads, trainable_variables, positions)
+        _apply_with_merge_call(
+            optimizer, grads, trainable_variables, positions, loss_state
+        )
     else:
-        _apply_in_replica_context(optimizer, grads, trainable_variables, positions)
+        _apply_in_replica_context(
+            optimizer, grads, trainable_variables, positions, loss_state
+        )

@@ -9,6 +9,7 @@ from keras_amp_plus.optimizers import (
     _overflow_records,
     _scale_schedule,
 )
+from keras_amp_plus.optimizers._overflow_record import OverflowRecord
 
 
 @keras.saving.register_keras_serializable(package="keras_amp_plus")
@@ -45,8 +46,10 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
     with the scale at its floor), per-variable `variable_overflow_counts`, the
     hysteresis state `overflows_since_scale_change`, and a ring buffer of the last
     `event_buffer_size` events (`event_steps`, `event_scales_before`,
-    `event_scales_after`, `event_has_nan`, `event_variable_masks`). Read them
-    with `overflow_summary()` and `read_events()`.
+    `event_scales_after`, `event_has_nan`, `event_variable_masks`, and
+    `event_loss_states`: whether the loss `scale_loss` saw was finite). Read
+    them with `overflow_summary()`, `read_events()` or, typed,
+    `read_records()`.
 
     For bfloat16, which has float32's exponent range, use the guard mode
     `LossScaleOptimizer.guard(inner_optimizer)`: the scale is fixed at 1 and
@@ -130,6 +133,7 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
         # `check_min_scale`): the action then runs on the host.
         self._min_scale_action_on_host = False
         self._min_scale_overflows_seen = 0
+        self._loss_watch = _overflow_records.LossWatch()
 
     @classmethod
     def guard(
@@ -205,7 +209,12 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
         _apply_step.apply_step(self, grads, trainable_variables)
 
     def scale_loss(self, loss):
-        """Multiply the loss by the current scale (a no-op in guard mode)."""
+        """Multiply the loss by the current scale (a no-op in guard mode).
+
+        The loss's finiteness is noted for this step's `apply`, which records
+        it with an overflow event (an Inf/NaN loss is a forward overflow).
+        """
+        self._loss_watch.watch(loss)
         if self.min_scale == self.max_scale == 1.0:
             return loss
         return super().scale_loss(loss)
@@ -245,8 +254,21 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
             since_count: the `overflow_count` last seen, an int >= 0.
                 Defaults to `0` (every event still held).
         """
+        return [record.as_event() for record in self.read_records(since_count)]
+
+    def read_records(self, since_count: int = 0) -> list[OverflowRecord]:
+        """Return the overflow events after `since_count` as `OverflowRecord`s.
+
+        The same events as `read_events`, typed, with one more fact: whether
+        the step's loss was finite (`loss_finite`, None when `scale_loss`
+        did not see it). This is what `AMPMonitor` reads.
+
+        Args:
+            since_count: the `overflow_count` last seen, an int >= 0.
+                Defaults to `0` (every event still held).
+        """
         self.check_min_scale()
-        return _overflow_records.read_events(self, since_count)
+        return _overflow_records.read_records(self, since_count)
 
     def get_config(self) -> dict:
         """Return Keras's config plus every argument this subclass adds."""

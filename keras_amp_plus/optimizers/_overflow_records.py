@@ -8,11 +8,14 @@ there are, and a later multi-worker reduction has one well-defined value.
 """
 
 import numbers
+import threading
 import warnings
 
 import tensorflow as tf
 
 from keras_amp_plus import _compat
+from keras_amp_plus.optimizers import _overflow_record
+from keras_amp_plus.optimizers._overflow_record import OverflowRecord
 
 _COUNTERS = (
     "overflow_count",
@@ -66,10 +69,49 @@ def build_overflow_records(optimizer, var_list) -> None:
     add("event_scales_after", (capacity,), "float32")
     add("event_has_nan", (capacity,), "int64")
     add("event_variable_masks", (capacity, num_variables), "int64")
+    add("event_loss_states", (capacity,), "int64")
+
+
+class LossWatch:
+    """The finiteness of the loss `scale_loss` saw, for `apply` of the same step.
+
+    Keras's train step hands the loss to `scale_loss` and the gradients to
+    `apply` in one trace, so the loss's finiteness is a tensor of that trace:
+    nothing is stored in a variable. Replicas trace in their own threads,
+    hence one slot per thread; a slot from another graph (a `scale_loss` whose
+    step never called `apply`) is ignored.
+    """
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def watch(self, loss) -> None:
+        """Remember whether `loss` is finite (called by `scale_loss`)."""
+        finite = tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(loss)))
+        self._local.seen = (_current_graph(), finite)
+
+    def take(self):
+        """Return the int64 loss-state code of this step's loss and forget it."""
+        graph, finite = getattr(self._local, "seen", (None, None))
+        self._local.seen = (None, None)
+        if finite is None or graph is not _current_graph():
+            return tf.constant(_overflow_record.LOSS_NOT_SEEN, tf.int64)
+        return tf.where(
+            finite,
+            tf.constant(_overflow_record.LOSS_FINITE, tf.int64),
+            tf.constant(_overflow_record.LOSS_NONFINITE, tf.int64),
+        )
+
+
+def _current_graph():
+    """Return the graph being traced, or None when executing eagerly."""
+    if tf.executing_eagerly():
+        return None
+    return tf.compat.v1.get_default_graph()
 
 
 def record_skipped_step(
-    optimizer, step, nonfinite_mask, has_nan, scale_before, scale_after
+    optimizer, step, nonfinite_mask, has_nan, scale_before, scale_after, loss_state
 ):
     """Write one overflow event (called in the skipped-step branch only).
 
@@ -81,6 +123,7 @@ def record_skipped_step(
         has_nan: bool scalar, True when any gradient held a NaN.
         scale_before: float32 scalar, the scale this step was computed with.
         scale_after: float32 scalar, the scale after this step's backoff.
+        loss_state: int64 scalar, the `LossWatch` code of the step's loss.
     """
     mask = tf.cast(nonfinite_mask, tf.int64)
     nan = tf.cast(has_nan, tf.int64)
@@ -104,6 +147,7 @@ def record_skipped_step(
     put(optimizer.event_scales_after, scale_after)
     put(optimizer.event_has_nan, nan)
     put(optimizer.event_variable_masks, mask)
+    put(optimizer.event_loss_states, loss_state)
 
 
 _RECORDS = (
@@ -114,6 +158,7 @@ _RECORDS = (
     "event_scales_after",
     "event_has_nan",
     "event_variable_masks",
+    "event_loss_states",
 )
 
 
@@ -173,8 +218,8 @@ def tracked_variable_paths(optimizer) -> list:
     return [_compat.variable_path(v) for v in optimizer._tracked.variables]
 
 
-def read_events(optimizer, since_count: int = 0) -> list:
-    """Return the events whose overflow index is greater than `since_count`.
+def read_records(optimizer, since_count: int = 0) -> list[OverflowRecord]:
+    """Return the records whose overflow index is greater than `since_count`.
 
     Events older than the ring buffer's capacity are gone: a warning says how
     many were lost, and the oldest events still held are returned. A
@@ -202,26 +247,32 @@ def read_events(optimizer, since_count: int = 0) -> list:
             "they were read. Read events more often or raise "
             f"`event_buffer_size`. Received: since_count={since_count}, "
             f"overflow_count={count}",
-            stacklevel=2,
+            stacklevel=3,
         )
         since_count = oldest_held
+    if count <= since_count:
+        return []
     paths = tracked_variable_paths(optimizer)
     steps = optimizer.event_steps.numpy()
     before = optimizer.event_scales_before.numpy()
     after = optimizer.event_scales_after.numpy()
     has_nan = optimizer.event_has_nan.numpy()
     masks = optimizer.event_variable_masks.numpy()
-    events = []
+    loss_states = optimizer.event_loss_states.numpy()
+    records = []
     for index in range(since_count + 1, count + 1):
         slot = (index - 1) % capacity
-        events.append(
-            {
-                "index": index,
-                "step": int(steps[slot]),
-                "scale_before": float(before[slot]),
-                "scale_after": float(after[slot]),
-                "has_nan": bool(has_nan[slot]),
-                "variables": [p for p, m in zip(paths, masks[slot], strict=True) if m],
-            }
+        records.append(
+            OverflowRecord(
+                index=index,
+                step=int(steps[slot]),
+                scale_before=float(before[slot]),
+                scale_after=float(after[slot]),
+                has_nan=bool(has_nan[slot]),
+                variables=tuple(
+                    p for p, m in zip(paths, masks[slot], strict=True) if m
+                ),
+                loss_finite=_overflow_record.loss_state(loss_states[slot]),
+            )
         )
-    return events
+    return records

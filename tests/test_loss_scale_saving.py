@@ -209,3 +209,31 @@ def test_a_keras_scaler_file_loads_into_ours_with_its_scale_and_counters(tmp_pat
     ):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert int(optimizer.overflow_count.numpy()) == 0
+
+
+def test_a_file_of_the_first_record_layout_loads_every_record_it_holds():
+    # Files saved before the loss-state record existed: same variables in the
+    # same order, without `event_loss_states`.
+    model, optimizer = make_trained_model()
+    state = record_state(optimizer)
+    current = {}
+    optimizer.save_own_variables(current)
+    loss_states_column = next(
+        i
+        for i, v in enumerate(optimizer.variables)
+        if v is optimizer.event_loss_states
+    )
+    values = [current[str(i)] for i in range(len(current))]
+    del values[loss_states_column]
+    first_layout = {str(i): value for i, value in enumerate(values)}
+
+    fresh = LossScaleOptimizer(keras.optimizers.Adam(0.01), **NON_DEFAULT_ARGS)
+    fresh.build(model.trainable_variables)
+    fresh.load_own_variables(first_layout)
+
+    assert state["overflow_count"] == 2
+    assert record_state(fresh) == state
+    # NaN inputs: the loss itself was not finite.
+    assert [r.loss_finite for r in optimizer.read_records(0)] == [False, False]
+    # Not recorded in that layout: "not seen", not "finite".
+    assert [r.loss_finite for r in fresh.read_records(0)] == [None, None]

@@ -189,12 +189,11 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
 
         A file saved with Keras's own `LossScaleOptimizer` holds its scale,
         step counter and inner optimizer's variables but no records: those are
-        loaded and the records start empty.
+        loaded and the records start empty. A file of an earlier layout of this
+        scaler loads every record it holds.
         """
-        if self.built and _overflow_records.is_keras_scaler_store(self, store):
-            _overflow_records.load_keras_scaler_store(self, store)
-            return
-        super().load_own_variables(store)
+        if not (self.built and _overflow_records.load_earlier_layout(self, store)):
+            super().load_own_variables(store)
         if self.built:
             # Without this, the host-side `on_min_scale` action of an
             # XLA-compiled step raised or warned again for loaded counts.

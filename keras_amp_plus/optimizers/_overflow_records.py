@@ -162,26 +162,53 @@ _RECORDS = (
 )
 
 
-def _keras_scaler_variables(optimizer) -> list:
-    """Return the variables Keras's own scaler saves, in its order."""
-    records = {id(getattr(optimizer, name)) for name in _RECORDS}
-    return [v for v in optimizer.variables if id(v) not in records]
+# Records added after the first layout; files saved before hold none of them.
+_LATER_RECORDS = ("event_loss_states",)
 
 
-def is_keras_scaler_store(optimizer, store) -> bool:
-    """Return True when `store` was saved by Keras's `LossScaleOptimizer`."""
-    expected = _keras_scaler_variables(optimizer)
-    if len(store.keys()) != len(expected) or len(expected) == len(optimizer.variables):
-        return False
-    return all(
-        tuple(store[str(i)].shape) == tuple(v.shape) for i, v in enumerate(expected)
+def _variables_without(optimizer, names) -> list:
+    """Return the optimizer's variables in order, leaving out the named records."""
+    left_out = {id(getattr(optimizer, name)) for name in names}
+    return [v for v in optimizer.variables if id(v) not in left_out]
+
+
+def _earlier_layouts(optimizer) -> list:
+    """Return (variables saved, records left out) of each earlier file layout.
+
+    Keras's own `LossScaleOptimizer` saves no records at all; our scaler's
+    first layout saved every record but the later ones.
+    """
+    return [
+        (_variables_without(optimizer, _LATER_RECORDS), _LATER_RECORDS),
+        (_variables_without(optimizer, _RECORDS), _RECORDS),
+    ]
+
+
+def _matches(store, variables) -> bool:
+    return len(store.keys()) == len(variables) and all(
+        tuple(store[str(i)].shape) == tuple(v.shape) for i, v in enumerate(variables)
     )
 
 
-def load_keras_scaler_store(optimizer, store) -> None:
-    """Load the scale, step counter and inner optimizer from Keras's scaler."""
-    for i, variable in enumerate(_keras_scaler_variables(optimizer)):
-        variable.assign(store[str(i)])
+def load_earlier_layout(optimizer, store) -> bool:
+    """Load a store of an earlier layout; return False when it is the current one.
+
+    A file saved with Keras's `LossScaleOptimizer` gives the scale, step counter
+    and inner optimizer's variables, and the records start empty; a file of
+    our scaler's first layout gives everything but the loss states, which read
+    as "not seen".
+    """
+    if _matches(store, optimizer.variables):
+        return False
+    for variables, left_out in _earlier_layouts(optimizer):
+        if _matches(store, variables):
+            for i, variable in enumerate(variables):
+                variable.assign(store[str(i)])
+            if "event_loss_states" in left_out:
+                states = optimizer.event_loss_states
+                states.assign(tf.fill(states.shape, _overflow_record.LOSS_NOT_SEEN))
+            return True
+    return False
 
 
 def require_built(optimizer, method: str) -> None:

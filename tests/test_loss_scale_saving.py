@@ -219,9 +219,7 @@ def test_a_file_of_the_first_record_layout_loads_every_record_it_holds():
     current = {}
     optimizer.save_own_variables(current)
     loss_states_column = next(
-        i
-        for i, v in enumerate(optimizer.variables)
-        if v is optimizer.event_loss_states
+        i for i, v in enumerate(optimizer.variables) if v is optimizer.event_loss_states
     )
     values = [current[str(i)] for i in range(len(current))]
     del values[loss_states_column]

@@ -26,7 +26,9 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus.engines._grappler import (
@@ -252,3 +254,213 @@ def _delegate_onednn_tests(config, items):
         )
         for item in module_items:
             item.runtest = lambda item=item, runner=runner: _run_delegated(item, runner)
+
+
+# -- the overflow scenario the monitor tests share ----------------------------
+BATCH, SAMPLES = 16, 128
+STEPS_PER_EPOCH = SAMPLES // BATCH
+
+
+def overflow_model(policy, scaler="ours", hot_scale=3e4, **scaler_kwargs):
+    """Return a compiled model whose layer `hot` overflows float16.
+
+    `hot` is a Dense with a large fixed (non-trainable) kernel: its outputs are
+    about 1e5, fine in float32 and Inf in float16 (max 65504). The
+    LayerNormalization after it brings them back to order 1, so once `hot` runs
+    in float32 the rest of the model trains in float16 without trouble.
+    """
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, name="d1")(inputs)
+    h = keras.layers.Dense(
+        16,
+        name="hot",
+        trainable=False,
+        kernel_initializer=keras.initializers.RandomNormal(stddev=hot_scale, seed=1),
+    )(h)
+    h = keras.layers.LayerNormalization(name="ln")(h)
+    outputs = keras.layers.Dense(1, name="head")(h)
+    model = keras.Model(inputs, outputs)
+    from keras_amp_plus.optimizers import LossScaleOptimizer
+
+    optimizer = keras.optimizers.Adam(0.1)
+    if scaler == "ours":
+        optimizer = LossScaleOptimizer(optimizer, **scaler_kwargs)
+    elif scaler == "guard":
+        optimizer = LossScaleOptimizer.guard(optimizer)
+    # scaler "keras": compile wraps Adam in Keras's scaler under mixed_float16.
+    model.compile(optimizer, loss="mse", auto_scale_loss=(scaler == "keras"))
+    return model
+
+
+def regression_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 4)).astype("float32")
+    w = np.array([[1.0], [2.0], [-1.0], [0.5]])
+    y = np.tanh(x @ w) + 0.3 * rng.normal(size=(SAMPLES, 1))
+    return x, y.astype("float32")
+
+
+def train(model, callbacks, epochs=5, **fit_kwargs):
+    x, y = regression_data()
+    return model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+        **fit_kwargs,
+    )
+
+
+def read_jsonl(log_dir):
+    with open(os.path.join(log_dir, "amp_events.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def read_tensorboard(log_dir):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    accumulator = event_accumulator.EventAccumulator(
+        os.path.join(log_dir, "amp"), size_guidance={"tensors": 0}
+    )
+    accumulator.Reload()
+    return accumulator
+
+
+def scalar_series(accumulator, tag):
+    """Return `{step: value}` of a tf.summary scalar (stored as a tensor)."""
+    return {
+        event.step: float(tf.make_ndarray(event.tensor_proto))
+        for event in accumulator.Tensors(tag)
+    }
+
+
+def text_values(accumulator, tag):
+    return [
+        tf.make_ndarray(event.tensor_proto).item().decode()
+        for event in accumulator.Tensors(tag)
+    ]
+
+
+# -- float64 references of the layers' outputs and gradients -----------------
+# One rounding of the output: 2**-8 relative for bfloat16 (8 significant bits),
+# 2**-11 for float16, 2**-24 for float32; on top of it the float32 arithmetic
+# inside may be off by FLOAT32_SLOP of the tensor's largest value, scaled by how
+# far the inputs sit from zero (N(1000, 1) inputs lose ~3 digits to their own
+# float32 spacing before any statistics are taken).
+ROUNDING = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+FLOAT32_SLOP = 2.0**-20
+
+
+def use_policy(name):
+    keras.config.set_dtype_policy(name)
+    return keras.config.dtype_policy()
+
+
+def float_inputs(shape, mean, dtype, seed=0):
+    """Random N(mean, 1) inputs already in `dtype`, and their float64 values."""
+    rng = np.random.default_rng(seed)
+    x = tf.cast(tf.constant(rng.normal(mean, 1.0, shape)), dtype)
+    upstream = tf.cast(tf.constant(rng.normal(0.0, 1.0, shape)), dtype)
+    return x, upstream, as_float64(x), as_float64(upstream)
+
+
+def as_float64(tensor):
+    return np.asarray(tf.cast(tensor, tf.float64))
+
+
+def assert_close(actual, expected, dtype, what, float32_scale=1.0):
+    """Within one rounding of `dtype` of each value, plus float32 slop."""
+    actual = as_float64(actual) if not isinstance(actual, np.ndarray) else actual
+    slop = FLOAT32_SLOP * float32_scale * np.abs(expected).max()
+    tolerance = ROUNDING[dtype] * np.abs(expected) + slop
+    error = np.abs(actual - expected)
+    worst = np.unravel_index(np.argmax(error - tolerance), error.shape)
+    assert np.all(error <= tolerance), (
+        f"{what}: error {error[worst]:.3g} > tolerance {tolerance[worst]:.3g} "
+        f"at {worst} (expected {expected[worst]:.6g}, got {actual[worst]:.6g})"
+    )
+
+
+def normalization_reference(x, upstream, gamma, beta, epsilon, stat_axes):
+    """Return output and gradients (x, gamma, beta) of a normalization in float64."""
+    mean = x.mean(axis=stat_axes, keepdims=True)
+    centered = x - mean
+    inverse_stddev = 1.0 / np.sqrt(
+        (centered**2).mean(axis=stat_axes, keepdims=True) + epsilon
+    )
+    normalized = centered * inverse_stddev
+    outputs = normalized * gamma + beta
+    param_axes = tuple(a for a in range(x.ndim) if gamma.shape[a] == 1)
+    gamma_grad = (upstream * normalized).sum(axis=param_axes, keepdims=True)
+    beta_grad = upstream.sum(axis=param_axes, keepdims=True)
+    scaled = upstream * gamma
+    x_grad = inverse_stddev * (
+        scaled
+        - scaled.mean(axis=stat_axes, keepdims=True)
+        - normalized * (scaled * normalized).mean(axis=stat_axes, keepdims=True)
+    )
+    return outputs, x_grad, gamma_grad, beta_grad
+
+
+def run_layer(layer, x, upstream):
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        outputs = layer(x)
+    sources = [x, *layer.trainable_weights]
+    grads = tape.gradient(outputs, sources, output_gradients=upstream)
+    return outputs, grads
+
+
+def set_random_weights(layer, seed=1):
+    rng = np.random.default_rng(seed)
+    for weight in layer.weights:
+        weight.assign(
+            rng.normal(1.0 if weight.name == "gamma" else 0.0, 0.3, weight.shape)
+        )
+
+
+def check_normalization(layer, shape, mean, policy, stat_axes, param_shape):
+    compute = policy.compute_dtype
+    x, upstream, x64, upstream64 = float_inputs(shape, mean, compute)
+    layer.build(shape)
+    set_random_weights(layer)
+    gamma = np.reshape(as_float64(layer.gamma), param_shape)
+    beta = np.reshape(as_float64(layer.beta), param_shape)
+    outputs, (x_grad, gamma_grad, beta_grad) = run_layer(layer, x, upstream)
+    assert outputs.dtype == compute and x_grad.dtype == compute
+    assert gamma_grad.dtype == "float32" and beta_grad.dtype == "float32"
+    ref = normalization_reference(
+        x64, upstream64, gamma, beta, layer.epsilon, stat_axes
+    )
+    # float32 inputs near 1000 are spaced 2**-14 = 64 * FLOAT32_SLOP apart.
+    far = 1.0 + mean / 8.0
+    assert_close(outputs, ref[0], compute, "outputs", far)
+    assert_close(x_grad, ref[1], compute, "x gradient", far)
+    # Weight gradients are float32 sums of products of the compute-dtype tensors.
+    assert_close(
+        np.reshape(as_float64(gamma_grad), param_shape),
+        ref[2],
+        "float32",
+        "gamma gradient",
+        64 * far,
+    )
+    assert_close(
+        np.reshape(as_float64(beta_grad), param_shape),
+        ref[3],
+        "float32",
+        "beta gradient",
+        64,
+    )
+
+
+def swish_reference(x, upstream, beta):
+    sigmoid = 1.0 / (1.0 + np.exp(-beta * x))
+    outputs = x * sigmoid
+    x_grad = upstream * sigmoid * (1.0 + beta * x * (1.0 - sigmoid))
+    beta_grad = (upstream * x**2 * sigmoid * (1.0 - sigmoid)).sum()
+    return outputs, x_grad, beta_grad

@@ -6,98 +6,27 @@ after it (float32 statistics in Keras 3) brings them back to order 1, so once
 `hot` runs in float32 the rest of the model trains in float16 without trouble.
 """
 
-import json
 import logging
 import os
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
-from tensorboard.backend.event_processing import event_accumulator
+from conftest import (
+    STEPS_PER_EPOCH,
+    overflow_model,
+    read_jsonl,
+    read_tensorboard,
+    scalar_series,
+    text_values,
+    train,
+)
 
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import AMPMonitor
 from keras_amp_plus.optimizers import LossScaleOptimizer
 
-BATCH, SAMPLES = 16, 128
-STEPS_PER_EPOCH = SAMPLES // BATCH
 EPOCHS = 10  # enough for float16 (first epoch skipped) to catch up with float32
-
-
-def overflow_model(policy, scaler="ours", hot_scale=3e4, **scaler_kwargs):
-    """Return a compiled model whose layer `hot` overflows float16."""
-    keras.config.set_dtype_policy(policy)
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,))
-    h = keras.layers.Dense(8, name="d1")(inputs)
-    h = keras.layers.Dense(
-        16,
-        name="hot",
-        trainable=False,
-        kernel_initializer=keras.initializers.RandomNormal(stddev=hot_scale, seed=1),
-    )(h)
-    h = keras.layers.LayerNormalization(name="ln")(h)
-    outputs = keras.layers.Dense(1, name="head")(h)
-    model = keras.Model(inputs, outputs)
-    optimizer = keras.optimizers.Adam(0.1)
-    if scaler == "ours":
-        optimizer = LossScaleOptimizer(optimizer, **scaler_kwargs)
-    elif scaler == "guard":
-        optimizer = LossScaleOptimizer.guard(optimizer)
-    # scaler "keras": compile wraps Adam in Keras's scaler under mixed_float16.
-    model.compile(optimizer, loss="mse", auto_scale_loss=(scaler == "keras"))
-    return model
-
-
-def regression_data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(SAMPLES, 4)).astype("float32")
-    w = np.array([[1.0], [2.0], [-1.0], [0.5]])
-    y = np.tanh(x @ w) + 0.3 * rng.normal(size=(SAMPLES, 1))
-    return x, y.astype("float32")
-
-
-def train(model, callbacks, epochs=5, **fit_kwargs):
-    x, y = regression_data()
-    return model.fit(
-        x,
-        y,
-        batch_size=BATCH,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-        callbacks=callbacks,
-        **fit_kwargs,
-    )
-
-
-def read_jsonl(log_dir):
-    with open(os.path.join(log_dir, "amp_events.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def read_tensorboard(log_dir):
-    accumulator = event_accumulator.EventAccumulator(
-        os.path.join(log_dir, "amp"), size_guidance={"tensors": 0}
-    )
-    accumulator.Reload()
-    return accumulator
-
-
-def scalar_series(accumulator, tag):
-    """Return `{step: value}` of a tf.summary scalar (stored as a tensor)."""
-    return {
-        event.step: float(tf.make_ndarray(event.tensor_proto))
-        for event in accumulator.Tensors(tag)
-    }
-
-
-def text_values(accumulator, tag):
-    return [
-        tf.make_ndarray(event.tensor_proto).item().decode()
-        for event in accumulator.Tensors(tag)
-    ]
 
 
 def test_forward_overflow_is_attributed_and_denied(tmp_path):

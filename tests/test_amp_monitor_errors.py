@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 import pytest
-from test_amp_monitor import overflow_model, read_jsonl, regression_data
+from conftest import overflow_model, read_jsonl, regression_data
 
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import AMPMonitor

@@ -4,7 +4,7 @@ import os
 
 import keras
 import pytest
-from test_amp_monitor import (
+from conftest import (
     STEPS_PER_EPOCH,
     overflow_model,
     read_jsonl,

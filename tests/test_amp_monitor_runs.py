@@ -14,7 +14,7 @@ import textwrap
 import keras
 import numpy as np
 import pytest
-from test_amp_monitor import (
+from conftest import (
     BATCH,
     STEPS_PER_EPOCH,
     overflow_model,
@@ -234,7 +234,7 @@ MIRRORED_SCRIPT = textwrap.dedent(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2
     )
     sys.path.insert(0, {tests!r})
-    from test_amp_monitor import overflow_model, train
+    from conftest import overflow_model, train
     from keras_amp_plus.callbacks import AMPMonitor
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():

@@ -11,13 +11,13 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_layers_numerics import (
-    _assert_close,
-    _check_normalization,
-    _f64,
-    _inputs,
-    _policy,
-    _swish_reference,
+from conftest import (
+    as_float64,
+    assert_close,
+    check_normalization,
+    float_inputs,
+    swish_reference,
+    use_policy,
 )
 
 from keras_amp_plus import layers
@@ -68,13 +68,13 @@ def test_each_path_matches_float64_in_graph_and_xla(
     policy_name, path, jit_compile, monkeypatch
 ):
     monkeypatch.setenv(_path_choice.PATH_VARIABLE, path)
-    policy = _policy(policy_name)
+    policy = use_policy(policy_name)
     for mean in (0.0, _FAR_MEAN[path]):
         ln = _StepWrapped(layers.LayerNormalization(), jit_compile)
-        _check_normalization(ln, (16, 64), mean, policy, (1,), (1, 64))
+        check_normalization(ln, (16, 64), mean, policy, (1,), (1, 64))
         inorm = _StepWrapped(layers.InstanceNormalization(), jit_compile)
         shape, params = (4, 8, 8, 16), (1, 1, 1, 16)
-        _check_normalization(inorm, shape, mean, policy, (1, 2), params)
+        check_normalization(inorm, shape, mean, policy, (1, 2), params)
 
 
 def _path_taken(
@@ -197,10 +197,10 @@ def test_measure_paths_refuses_to_run_inside_a_trace():
 @pytest.mark.parametrize("trainable_beta", (True, False))
 @pytest.mark.parametrize("policy_name", POLICIES)
 def test_swish_inside_xla_matches_float64(policy_name, trainable_beta):
-    policy = _policy(policy_name)
+    policy = use_policy(policy_name)
     compute = policy.compute_dtype
     layer = layers.Swish(beta=1.5, trainable_beta=trainable_beta)
-    x, upstream, _, upstream64 = _inputs((64, 32), 0.0, compute)
+    x, upstream, _, upstream64 = float_inputs((64, 32), 0.0, compute)
     x = x * 4.0
     layer.build(x.shape)
 
@@ -216,22 +216,22 @@ def test_swish_inside_xla_matches_float64(policy_name, trainable_beta):
     outputs, grads = step(x, upstream)
     x_grad = grads[0]
     assert outputs.dtype == compute and x_grad.dtype == compute
-    outputs64, x_grad64, beta_grad64 = _swish_reference(_f64(x), upstream64, 1.5)
+    outputs64, x_grad64, beta_grad64 = swish_reference(as_float64(x), upstream64, 1.5)
     if compute == "float16" and not trainable_beta:
         # Keras's float16 arithmetic there: a few float16 roundings.
         for actual, expected in ((outputs, outputs64), (x_grad, x_grad64)):
-            error = np.abs(_f64(actual) - expected)
+            error = np.abs(as_float64(actual) - expected)
             scale = np.abs(expected) + np.abs(expected).max() / 64
             worst = float((error / scale).max() / 2.0**-11)
             assert worst <= 12, f"{worst:.2f} float16 roundings"
         return
-    _assert_close(outputs, outputs64, compute, "outputs")
-    _assert_close(x_grad, x_grad64, compute, "x gradient")
+    assert_close(outputs, outputs64, compute, "outputs")
+    assert_close(x_grad, x_grad64, compute, "x gradient")
     if not trainable_beta:
         return
     beta_grad = grads[1]
-    _assert_close(
-        np.array(_f64(beta_grad)), np.array(beta_grad64), "float32", "beta", 256
+    assert_close(
+        np.array(as_float64(beta_grad)), np.array(beta_grad64), "float32", "beta", 256
     )
 
 
@@ -298,7 +298,7 @@ def test_batch_norm_path_only_where_the_kernel_applies(monkeypatch):
 def test_batch_norm_path_with_unknown_batch_matches_float64(policy_name, monkeypatch):
     # Keras traces `fit` steps with an unknown batch size.
     monkeypatch.setenv(_path_choice.PATH_VARIABLE, _path_choice.BATCH_NORM)
-    policy = _policy(policy_name)
+    policy = use_policy(policy_name)
     layer = layers.InstanceNormalization()
     compute = policy.compute_dtype
     step = tf.function(
@@ -307,7 +307,7 @@ def test_batch_norm_path_with_unknown_batch_matches_float64(policy_name, monkeyp
     )
     wrapped = _StepWrapped(layer, False)
     wrapped.call_in_step = step
-    _check_normalization(wrapped, (4, 8, 8, 16), 1000.0, policy, (1, 2), (1, 1, 1, 16))
+    check_normalization(wrapped, (4, 8, 8, 16), 1000.0, policy, (1, 2), (1, 1, 1, 16))
 
 
 def test_graph_rewrite_keeps_the_kernels(monkeypatch):

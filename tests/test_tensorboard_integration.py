@@ -10,7 +10,7 @@ import urllib.request
 
 import keras
 import pytest
-from test_amp_monitor import STEPS_PER_EPOCH, overflow_model, train
+from conftest import STEPS_PER_EPOCH, overflow_model, train
 
 from keras_amp_plus.callbacks import AMPMonitor
 

@@ -213,7 +213,12 @@ class StepRecorder:
         tf.cond(skipped, restore, lambda: tf.constant(0))
         results = self.model.get_metrics_result()
         if isinstance(outputs, dict) and set(outputs) == set(results):
-            return results
+            # Shaped like the step's own logs (`prepare_multi_worker_fit`
+            # gives them a leading axis).
+            return {
+                name: tf.reshape(value, tf.shape(outputs[name]))
+                for name, value in results.items()
+            }
         return outputs
 
     def _record_step(self, data, scale_before, losses):

@@ -7,9 +7,10 @@ at on skipped steps.
 
 Three ways to run, like Keras's own scaler:
 - no strategy: decide and update in place;
-- a strategy that needs `merge_call` (MirroredStrategy on CPUs): finiteness is
-  computed per replica, combined across replicas, and the state is updated
-  once in cross-replica context;
+- a strategy that needs `merge_call` (MirroredStrategy and
+  MultiWorkerMirroredStrategy on CPUs): finiteness is computed per replica,
+  summed over every replica of every worker with the strategy, and the state
+  is updated once in cross-replica context;
 - a strategy that runs without `merge_call`: the per-variable flags are
   all-reduced so every replica takes the same branch.
 """
@@ -100,12 +101,19 @@ def _apply_with_merge_call(optimizer, grads, trainable_variables, positions):
     num_tracked = len(optimizer._tracked.variables)
 
     def cross_replica_step(distribution, grads, trainable_variables):
-        def stacked_per_replica(fn):
-            per_replica = _compat.call_for_each_replica(distribution, fn, (grads,))
-            return tf.stack(distribution.experimental_local_results(per_replica))
+        def count_over_replicas(fn):
+            # Summed over every replica of every worker (a collective under
+            # MultiWorkerMirroredStrategy): each worker takes the same branch,
+            # or the next all-reduce of the gradients waits forever.
+            per_replica = _compat.call_for_each_replica(
+                distribution, lambda g: tf.cast(fn(g), tf.int32), (grads,)
+            )
+            return distribution.reduce(
+                tf.distribute.ReduceOp.SUM, per_replica, axis=None
+            )
 
-        def flags_fn(replica_grads):
-            return finite_flags(replica_grads, positions, num_tracked)
+        def nonfinite_fn(replica_grads):
+            return tf.logical_not(finite_flags(replica_grads, positions, num_tracked))
 
         def apply_fn():
             _compat.call_for_each_replica(
@@ -115,12 +123,12 @@ def _apply_with_merge_call(optimizer, grads, trainable_variables, positions):
             )
 
         # A gradient is finite only if it is finite on every replica.
-        flags = tf.reduce_all(stacked_per_replica(flags_fn), axis=0)
+        flags = tf.equal(count_over_replicas(nonfinite_fn), 0)
         _finish_step(
             optimizer,
             flags,
             apply_fn,
-            lambda: tf.reduce_any(stacked_per_replica(any_nan)),
+            lambda: count_over_replicas(any_nan) > 0,
         )
 
     tf.distribute.get_replica_context().merge_call(

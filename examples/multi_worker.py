@@ -185,17 +185,27 @@ def run_worker(args):
     prepare_multi_worker_fit(model)
 
     dataset = worker_dataset(tf, worker_data(args.worker))
-    monitor = AMPMonitor(args.log_dir, read_every_steps=2, deny_threshold=1)
+    log_dir = args.log_dir.format(worker=args.worker)
+    monitor = AMPMonitor(log_dir, read_every_steps=2, deny_threshold=1)
+    deny_per_epoch = []
     history = model.fit(
         dataset,
         epochs=args.epochs,
         steps_per_epoch=STEPS_PER_EPOCH,
         verbose=0,
-        callbacks=[monitor],
+        callbacks=[
+            monitor,
+            keras.callbacks.LambdaCallback(
+                on_epoch_end=lambda epoch, logs: deny_per_epoch.append(
+                    list(monitor.lists.deny_layers)
+                )
+            ),
+        ],
     )
     summary = {
         "worker": args.worker,
         "overflow_events": history.history["overflow_events"],
+        "deny_per_epoch": deny_per_epoch,
         "lists": monitor.lists.get_config(),
         "skipped_steps": monitor.state.skipped_steps,
         "total_steps": monitor.state.total_steps,
@@ -220,7 +230,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 epochs")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--log-dir", default=None, help="default: a temp dir")
+    parser.add_argument(
+        "--log-dir",
+        default=None,
+        help="the monitor's log_dir on every worker ('{worker}' is replaced by "
+        "the worker's index); default: a new temporary directory",
+    )
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -243,7 +258,7 @@ def main(argv=None):
     same = len({json.dumps(s["lists"], sort_keys=True) for s in results}) == 1
     same &= len({s["checksum"] for s in results}) == 1
     print(f"identical lists and weights on every worker: {same}")
-    print(f"chief's log: {log_dir}")
+    print(f"chief's log: {log_dir.format(worker=0)}")
     return results
 
 

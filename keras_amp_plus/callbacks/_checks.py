@@ -119,6 +119,7 @@ def check_model(model) -> None:
 def check_fit_setup(monitor, model):
     """Check the model, log_dir, engine and lists; return the resolved engine."""
     check_model(model)
+    distribution.check_jit_compile(model)
     if monitor.log_dir and distribution.is_chief(model.distribute_strategy):
         check_writable(monitor.log_dir)  # other workers write nothing there
     engine = resolve_engine(monitor.engine, model, monitor.lists)

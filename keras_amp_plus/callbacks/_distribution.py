@@ -86,6 +86,43 @@ def agree_on_layers(strategy, events, layer_names):
     return events
 
 
+def local_replicas(strategy) -> int:
+    """Return the number of replicas this process runs."""
+    return len(strategy.extended.worker_devices)
+
+
+def check_jit_compile(model, jit_compile=None) -> None:
+    """Raise a clear error for `jit_compile=True` over several local replicas.
+
+    Keras compiles the whole step, `strategy.run` over every replica included,
+    as one XLA computation placed on one device; it cannot reach the variables
+    of the replicas on the other devices and fails at the first step with
+    "Trying to access resource ... located in device .../device:CPU:1 from
+    device .../device:CPU:0" (TensorFlow's XLA known issue "tf.Variable on a
+    different device"). Keras's own `jit_compile="auto"` turns XLA off under
+    `tf.distribute` for this reason.
+
+    Args:
+        model: the compiled model.
+        jit_compile: the setting to check. Defaults to `None` (the model's).
+    """
+    strategy = model.distribute_strategy
+    jit_compile = model.jit_compile if jit_compile is None else jit_compile
+    replicas = local_replicas(strategy)
+    if jit_compile is True and replicas > 1:
+        raise ValueError(
+            f"`jit_compile=True` cannot train under {type(strategy).__name__} "
+            f"with {replicas} replicas in this process: Keras compiles the step "
+            "of every replica into one XLA computation on one device, which "
+            "cannot reach the other devices' variables (the step would fail "
+            "with 'Trying to access resource ... from device ...'); Keras's "
+            "default `jit_compile='auto'` turns XLA off under tf.distribute for "
+            "this reason. Compile the model with `jit_compile=False` (or "
+            "'auto'). Received: jit_compile=True, devices="
+            f"{list(strategy.extended.worker_devices)}"
+        )
+
+
 def prepare_multi_worker_fit(model) -> None:
     """Let `model.fit` run under `tf.distribute.MultiWorkerMirroredStrategy`.
 

@@ -156,10 +156,34 @@ def _apply_in_replica_context(optimizer, grads, trainable_variables, positions):
     )
 
 
+def _check_not_xla_over_replicas() -> None:
+    """Raise while tracing one XLA step over several local replicas.
+
+    Keras's `compile(jit_compile=True)` compiles `strategy.run` over every
+    replica as one XLA computation on one device, which cannot reach the other
+    devices' variables: the step would fail when first run. Raised at trace
+    time, before any update.
+    """
+    if not tf.distribute.has_strategy() or not _compat.in_xla_compiled_function():
+        return
+    devices = tf.distribute.get_strategy().extended.worker_devices
+    if len(devices) > 1:
+        raise ValueError(
+            "LossScaleOptimizer cannot train in a `jit_compile=True` step over "
+            f"{len(devices)} replicas in one process: Keras compiles every "
+            "replica's step into one XLA computation on one device, which "
+            "cannot reach the other devices' variables (Keras's default "
+            "`jit_compile='auto'` turns XLA off under tf.distribute for this "
+            "reason). Compile the model with `jit_compile=False`. Received: "
+            f"jit_compile=True, devices={list(devices)}"
+        )
+
+
 def apply_step(optimizer, grads, trainable_variables=None) -> None:
     """Run one scaler step from replica context (what `apply()` is called in)."""
     if tf.distribute.in_cross_replica_context():
         raise ValueError("apply() must be called in a replica context.")
+    _check_not_xla_over_replicas()
     grads = list(grads)
     variables = (
         optimizer._tracked.variables

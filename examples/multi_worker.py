@@ -72,12 +72,13 @@ def launch(worker_argv, workers=2, timeout=120.0, env=None):
             worker_env = dict(os.environ if env is None else env)
             worker_env["TF_CONFIG"] = tf_config(ports, index)
             worker_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-            out = tempfile.TemporaryFile(mode="w+")
-            err = tempfile.TemporaryFile(mode="w+")
+            # Files, not pipes: a full pipe would block a worker. Closed below.
+            out = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
+            err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
             logs.append((out, err))
             processes.append(
                 subprocess.Popen(
-                    worker_argv + ["--worker", str(index)],
+                    [*worker_argv, "--worker", str(index)],
                     stdout=out,
                     stderr=err,
                     env=worker_env,
@@ -227,6 +228,7 @@ def summaries(results):
 
 
 def main(argv=None):
+    """Launch the workers (or, with `--worker`, be one); return their summaries."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 epochs")
     parser.add_argument("--epochs", type=int, default=3)

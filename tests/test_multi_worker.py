@@ -32,9 +32,7 @@ def read_jsonl(log_dir):
 
 
 def worker_env():
-    pythonpath = os.pathsep.join(
-        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p
-    )
+    pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     return dict(os.environ, PYTHONPATH=pythonpath, TF_CPP_MIN_LOG_LEVEL="2")
 
 

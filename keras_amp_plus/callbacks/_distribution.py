@@ -35,7 +35,7 @@ def is_chief(strategy) -> bool:
 
 def is_multi_worker(strategy) -> bool:
     """Return True when the strategy's replicas span more than this process."""
-    return strategy.num_replicas_in_sync > len(strategy.extended.worker_devices)
+    return strategy.num_replicas_in_sync > local_replicas(strategy)
 
 
 def any_across_workers(strategy, flags):
@@ -78,7 +78,9 @@ def agree_on_layers(strategy, events, layer_names):
                     found[row, position[layer]] = True
     agreed = any_across_workers(strategy, found)
     for row, event in enumerate(events):
-        layers = [name for name, hit in zip(layer_names, agreed[row]) if hit]
+        layers = [
+            name for name, hit in zip(layer_names, agreed[row], strict=True) if hit
+        ]
         if event["direction"] == "forward" and layers != event["layers"]:
             if not event["layers"]:
                 event["evidence"] = "replay of another worker's batch"
@@ -88,6 +90,8 @@ def agree_on_layers(strategy, events, layer_names):
 
 def local_replicas(strategy) -> int:
     """Return the number of replicas this process runs."""
+    if strategy.num_replicas_in_sync == 1:
+        return 1  # the default strategy has no `worker_devices`
     return len(strategy.extended.worker_devices)
 
 

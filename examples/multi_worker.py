@@ -32,7 +32,9 @@ import time
 
 BATCH = 8  # global batch: 4 per worker
 STEPS_PER_EPOCH = 4
-SAMPLES = BATCH * STEPS_PER_EPOCH  # per worker
+# Per worker: one epoch reads each worker's data exactly once, so a job
+# restarted at an epoch boundary reads the same batches as one never stopped.
+SAMPLES = BATCH * STEPS_PER_EPOCH // 2
 OVERFLOW_WORKER, OVERFLOW_BATCH = 1, 1
 
 
@@ -61,8 +63,8 @@ def launch(worker_argv, workers=2, timeout=120.0, env=None):
     """Start `workers` processes of `worker_argv`, each with its TF_CONFIG.
 
     Returns one `(returncode, stdout, stderr)` per worker. Every process is
-    stopped when this returns, also on timeout or error (then killed, and the
-    return code is None).
+    stopped when this returns: after `timeout` seconds, or as soon as one
+    worker fails, the others are killed (return code None).
     """
     ports = free_ports(workers)
     processes = []
@@ -86,12 +88,13 @@ def launch(worker_argv, workers=2, timeout=120.0, env=None):
                 )
             )
         deadline = time.monotonic() + timeout
-        for process in processes:
-            remaining = max(deadline - time.monotonic(), 0.1)
-            try:
-                process.wait(timeout=remaining)
-            except subprocess.TimeoutExpired:
+        # Like a cluster manager: when one worker fails, stop the job (its
+        # peers would only wait for it in the next collective).
+        while time.monotonic() < deadline:
+            codes = [process.poll() for process in processes]
+            if all(code is not None for code in codes) or any(codes):
                 break
+            time.sleep(0.2)
     finally:
         codes = []
         for process in processes:
@@ -172,7 +175,7 @@ def run_worker(args):
     import tensorflow as tf
 
     # A lost peer fails the collectives after this long instead of hanging.
-    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=60)
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=30)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     import keras
 
@@ -187,21 +190,33 @@ def run_worker(args):
 
     dataset = worker_dataset(tf, worker_data(args.worker))
     log_dir = args.log_dir.format(worker=args.worker)
-    monitor = AMPMonitor(log_dir, read_every_steps=2, deny_threshold=1)
+    monitor = AMPMonitor(
+        log_dir,
+        read_every_steps=args.read_every_steps,
+        deny_threshold=args.deny_threshold,
+    )
     deny_per_epoch = []
+    callbacks = [
+        monitor,
+        keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: deny_per_epoch.append(
+                list(monitor.lists.deny_layers)
+            )
+        ),
+    ]
+    if args.backup_dir:
+        # One backup directory per worker: Keras 3's BackupAndRestore has
+        # no chief logic, two workers writing one file would race.
+        backup_dir = args.backup_dir.format(worker=args.worker)
+        callbacks.append(keras.callbacks.BackupAndRestore(backup_dir))
+    if args.kill_at and args.worker == 1:
+        callbacks.append(killer(*(int(v) for v in args.kill_at.split(":"))))
     history = model.fit(
         dataset,
         epochs=args.epochs,
         steps_per_epoch=STEPS_PER_EPOCH,
         verbose=0,
-        callbacks=[
-            monitor,
-            keras.callbacks.LambdaCallback(
-                on_epoch_end=lambda epoch, logs: deny_per_epoch.append(
-                    list(monitor.lists.deny_layers)
-                )
-            ),
-        ],
+        callbacks=callbacks,
     )
     summary = {
         "worker": args.worker,
@@ -213,6 +228,22 @@ def run_worker(args):
         "checksum": weights_checksum(model),
     }
     print("SUMMARY " + json.dumps(summary, sort_keys=True), flush=True)
+
+
+def killer(epoch, batch):
+    """Return a callback that kills this process after `batch` of `epoch`."""
+    import keras
+
+    class Killer(keras.callbacks.Callback):
+        def on_epoch_begin(self, current, logs=None):
+            self.epoch = current
+
+        def on_train_batch_end(self, current, logs=None):
+            if (self.epoch, current) == (epoch, batch):
+                print(f"KILLED at epoch {epoch} batch {batch}", flush=True)
+                os._exit(17)  # no cleanup, like a lost machine
+
+    return Killer()
 
 
 def summaries(results):
@@ -239,6 +270,14 @@ def main(argv=None):
         "the worker's index); default: a new temporary directory",
     )
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--read-every-steps", type=int, default=2)
+    parser.add_argument("--deny-threshold", type=int, default=1)
+    parser.add_argument(
+        "--backup-dir", default=None, help="BackupAndRestore dir ('{worker}')"
+    )
+    parser.add_argument(
+        "--kill-at", default=None, help="EPOCH:BATCH at which worker 1 dies"
+    )
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:

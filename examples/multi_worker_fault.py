@@ -27,7 +27,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import multi_worker  # noqa: E402 - the example next to this file
+import multi_worker  # the example next to this file
 
 EPOCHS = 3
 KILL_AT = "1:2"  # epoch 1, after batch 2 (step 7, an overflow step)
@@ -53,6 +53,7 @@ def overflow_lines(root):
 
 
 def comparable(summary):
+    """Return what must be equal on every worker of both jobs."""
     return {
         key: summary[key]
         for key in ("lists", "skipped_steps", "total_steps", "checksum")

@@ -505,7 +505,7 @@ def divide(gradient, scale):
     return gradient / tf.cast(scale, gradient.dtype)
 
 
-def build_from_first_replica(model, strategy) -> None:
+def build_from_first_replica(model, strategy) -> bool:
     """Let `fit` build `model` under a multi-worker strategy (Keras 3 bug).
 
     Why private: before its first step `fit` (Keras 3's TF trainer,
@@ -514,9 +514,12 @@ def build_from_first_replica(model, strategy) -> None:
     takes a single tensor, not a tuple, and raises "Attempt to convert a value
     (PerReplica...) to a Tensor". The batch only gives the symbolic build its
     shapes and dtypes, so this instance override hands it the first local
-    replica's batch instead; the class's own method does the rest.
+    replica's batch instead; the class's own method does the rest. Returns
+    False (and does nothing) on Keras 2, whose trainer is another one.
     """
-    original = model._maybe_symbolic_build
+    original = getattr(model, "_maybe_symbolic_build", None)
+    if original is None:
+        return False
 
     def maybe_symbolic_build(iterator=None, data_batch=None):
         if iterator is not None and data_batch is None:
@@ -529,3 +532,4 @@ def build_from_first_replica(model, strategy) -> None:
         return original(data_batch=data_batch)
 
     model._maybe_symbolic_build = maybe_symbolic_build
+    return True

@@ -153,7 +153,8 @@ def prepare_multi_worker_fit(model) -> None:
     strategy = model.distribute_strategy
     if not is_multi_worker(strategy):
         return
-    _compat.build_from_first_replica(model, strategy)
+    if not _compat.build_from_first_replica(model, strategy):
+        return  # Keras 2 (the ITEX stack): another trainer, not tested there
     train_step = model.train_step
 
     def train_step_with_vector_logs(data):

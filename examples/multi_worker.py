@@ -141,7 +141,7 @@ def worker_dataset(tf, data):
     return dataset.with_options(options)
 
 
-def build_model():
+def build_model(jit_compile=False):
     """Return the compiled model: `hot` overflows float16 on large inputs."""
     import keras
 
@@ -158,7 +158,8 @@ def build_model():
     h = keras.layers.LayerNormalization(name="ln")(h)
     outputs = keras.layers.Dense(1, name="head")(h)
     model = keras.Model(inputs, outputs)
-    model.compile(LossScaleOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    optimizer = LossScaleOptimizer(keras.optimizers.Adam(0.01))
+    model.compile(optimizer, loss="mse", jit_compile=jit_compile)
     return model
 
 
@@ -184,7 +185,7 @@ def run_worker(args):
     keras.config.set_dtype_policy("mixed_float16")
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = build_model()
+        model = build_model(args.jit_compile)
     # Keras 3's own `fit` fails under a multi-worker strategy without it.
     prepare_multi_worker_fit(model)
 
@@ -248,12 +249,22 @@ def killer(epoch, batch):
 
 def summaries(results):
     """Return each worker's JSON summary; raise with its stderr if one failed."""
-    parsed = []
-    for index, (code, out, err) in enumerate(results):
-        lines = [line for line in out.splitlines() if line.startswith("SUMMARY ")]
-        if code != 0 or not lines:
-            state = "timed out" if code is None else f"exited with {code}"
+    # A worker that failed first, then one stopped by the launcher.
+    order = sorted(range(len(results)), key=lambda i: results[i][0] is None)
+    for index in order:
+        code, _, err = results[index]
+        if code != 0:
+            state = (
+                "was stopped (timeout, or a peer failed)"
+                if code is None
+                else f"exited with {code}"
+            )
             raise RuntimeError(f"worker {index} {state}:\n{err[-4000:]}")
+    parsed = []
+    for index, (_, out, _) in enumerate(results):
+        lines = [line for line in out.splitlines() if line.startswith("SUMMARY ")]
+        if not lines:
+            raise RuntimeError(f"worker {index} printed no summary:\n{out[-4000:]}")
         parsed.append(json.loads(lines[-1][len("SUMMARY ") :]))
     return parsed
 
@@ -271,6 +282,9 @@ def main(argv=None):
     )
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--read-every-steps", type=int, default=2)
+    parser.add_argument(
+        "--jit-compile", action="store_true", help="refused on CPUs, see README"
+    )
     parser.add_argument("--deny-threshold", type=int, default=1)
     parser.add_argument(
         "--backup-dir", default=None, help="BackupAndRestore dir ('{worker}')"
@@ -287,7 +301,7 @@ def main(argv=None):
         return None
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kap_multi_worker_")
     argv = [sys.executable, os.path.abspath(__file__), "--epochs", str(args.epochs)]
-    argv += ["--log-dir", log_dir]
+    argv += ["--log-dir", log_dir] + (["--jit-compile"] if args.jit_compile else [])
     results = summaries(launch(argv, timeout=args.timeout))
     for summary in results:
         print(

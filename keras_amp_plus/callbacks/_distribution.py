@@ -95,34 +95,61 @@ def local_replicas(strategy) -> int:
     return len(strategy.extended.worker_devices)
 
 
-def check_jit_compile(model, jit_compile=None) -> None:
-    """Raise a clear error for `jit_compile=True` over several local replicas.
+def jit_compile_problem(strategy) -> str | None:
+    """Return why a `jit_compile=True` step cannot train here, or None.
 
-    Keras compiles the whole step, `strategy.run` over every replica included,
-    as one XLA computation placed on one device; it cannot reach the variables
-    of the replicas on the other devices and fails at the first step with
-    "Trying to access resource ... located in device .../device:CPU:1 from
-    device .../device:CPU:0" (TensorFlow's XLA known issue "tf.Variable on a
-    different device"). Keras's own `jit_compile="auto"` turns XLA off under
-    `tf.distribute` for this reason.
+    - Several replicas in one process: Keras compiles the whole step,
+      `strategy.run` over every replica included, as one XLA computation
+      placed on one device, which cannot reach the other devices' variables
+      ("Trying to access resource ... located in device .../device:CPU:1 from
+      device .../device:CPU:0", TensorFlow's XLA known issue "tf.Variable on a
+      different device").
+    - Several workers on CPUs: TensorFlow's XLA has no CPU collectives
+      ("Collectives are not yet implemented for CPU devices when compiling
+      with XLA").
+
+    Keras's own `jit_compile="auto"` turns XLA off under `tf.distribute`.
+    """
+    replicas = local_replicas(strategy)
+    if replicas > 1:
+        return (
+            f"{type(strategy).__name__} runs {replicas} replicas in this process "
+            "and Keras compiles the step of every replica into one XLA "
+            "computation on one device, which cannot reach the other devices' "
+            "variables (the step would fail with 'Trying to access resource ... "
+            "from device ...')"
+        )
+    if is_multi_worker(strategy):
+        devices = strategy.extended.worker_devices
+        if all("CPU" in device.upper() for device in devices):
+            return (
+                f"the {strategy.num_replicas_in_sync} replicas are on several "
+                "workers on CPUs and TensorFlow's XLA has no collectives for CPU "
+                "devices (the "
+                "step would fail with 'Collectives are not yet implemented for "
+                "CPU devices when compiling with XLA')"
+            )
+    return None
+
+
+def check_jit_compile(model) -> None:
+    """Raise a clear error when the model's `jit_compile=True` cannot train here.
+
+    See `jit_compile_problem`; raised in `on_train_begin`, before any step.
 
     Args:
         model: the compiled model.
-        jit_compile: the setting to check. Defaults to `None` (the model's).
     """
+    if model.jit_compile is not True:
+        return
     strategy = model.distribute_strategy
-    jit_compile = model.jit_compile if jit_compile is None else jit_compile
-    replicas = local_replicas(strategy)
-    if jit_compile is True and replicas > 1:
+    problem = jit_compile_problem(strategy)
+    if problem is not None:
         raise ValueError(
-            f"`jit_compile=True` cannot train under {type(strategy).__name__} "
-            f"with {replicas} replicas in this process: Keras compiles the step "
-            "of every replica into one XLA computation on one device, which "
-            "cannot reach the other devices' variables (the step would fail "
-            "with 'Trying to access resource ... from device ...'); Keras's "
-            "default `jit_compile='auto'` turns XLA off under tf.distribute for "
-            "this reason. Compile the model with `jit_compile=False` (or "
-            "'auto'). Received: jit_compile=True, devices="
+            f"`jit_compile=True` cannot train here: {problem}. Keras's default "
+            "`jit_compile='auto'` turns XLA off under tf.distribute for this "
+            "reason. Compile the model with `jit_compile=False` (or 'auto'). "
+            "Received: jit_compile=True, devices="
             f"{list(strategy.extended.worker_devices)}"
         )
 

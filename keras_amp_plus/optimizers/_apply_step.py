@@ -157,26 +157,36 @@ def _apply_in_replica_context(optimizer, grads, trainable_variables, positions):
 
 
 def _check_not_xla_over_replicas() -> None:
-    """Raise while tracing one XLA step over several local replicas.
+    """Raise while tracing an XLA step that cannot run under this strategy.
 
     Keras's `compile(jit_compile=True)` compiles `strategy.run` over every
-    replica as one XLA computation on one device, which cannot reach the other
-    devices' variables: the step would fail when first run. Raised at trace
-    time, before any update.
+    replica as one XLA computation on one device: with several replicas in
+    one process it cannot reach the other devices' variables; across workers
+    on CPUs TensorFlow's XLA has no collectives. Either way the step would
+    fail when first run; this raises at trace time, before any update.
     """
     if not tf.distribute.has_strategy() or not _compat.in_xla_compiled_function():
         return
-    devices = tf.distribute.get_strategy().extended.worker_devices
+    strategy = tf.distribute.get_strategy()
+    devices = list(strategy.extended.worker_devices)
     if len(devices) > 1:
-        raise ValueError(
-            "LossScaleOptimizer cannot train in a `jit_compile=True` step over "
-            f"{len(devices)} replicas in one process: Keras compiles every "
-            "replica's step into one XLA computation on one device, which "
-            "cannot reach the other devices' variables (Keras's default "
-            "`jit_compile='auto'` turns XLA off under tf.distribute for this "
-            "reason). Compile the model with `jit_compile=False`. Received: "
-            f"jit_compile=True, devices={list(devices)}"
+        why = (
+            f"{len(devices)} replicas in one process are compiled into one XLA "
+            "computation on one device, which cannot reach the other devices' "
+            "variables"
         )
+    elif strategy.num_replicas_in_sync > len(devices) and all(
+        "CPU" in device.upper() for device in devices
+    ):
+        why = "TensorFlow's XLA has no collectives across workers on CPUs"
+    else:
+        return
+    raise ValueError(
+        f"LossScaleOptimizer cannot train in a `jit_compile=True` step here: "
+        f"{why} (Keras's default `jit_compile='auto'` turns XLA off under "
+        "tf.distribute). Compile the model with `jit_compile=False`. Received: "
+        f"jit_compile=True, devices={devices}"
+    )
 
 
 def apply_step(optimizer, grads, trainable_variables=None) -> None:

@@ -503,3 +503,33 @@ def divide(gradient, scale):
             gradient.dense_shape,
         )
     return gradient / tf.cast(scale, gradient.dtype)
+
+
+def build_from_first_replica(model, strategy) -> bool:
+    """Let `fit` build `model` under a multi-worker strategy (Keras 3 bug).
+
+    Why private: before its first step `fit` (Keras 3's TF trainer,
+    `_maybe_symbolic_build`) reduces the first batch with
+    `strategy.reduce("MEAN", (x, y))`. With more than one worker that reduce
+    takes a single tensor, not a tuple, and raises "Attempt to convert a value
+    (PerReplica...) to a Tensor". The batch only gives the symbolic build its
+    shapes and dtypes, so this instance override hands it the first local
+    replica's batch instead; the class's own method does the rest. Returns
+    False (and does nothing) on Keras 2, whose trainer is another one.
+    """
+    original = getattr(model, "_maybe_symbolic_build", None)
+    if original is None:
+        return False
+
+    def maybe_symbolic_build(iterator=None, data_batch=None):
+        if iterator is not None and data_batch is None:
+            for _, _, batches in iterator:
+                data_batch = tf.nest.map_structure(
+                    lambda value: strategy.experimental_local_results(value)[0],
+                    next(batches),
+                )
+                break
+        return original(data_batch=data_batch)
+
+    model._maybe_symbolic_build = maybe_symbolic_build
+    return True

@@ -57,7 +57,7 @@ PUBLIC_NAMES = {
         "swish",
     ),
     "keras_amp_plus.optimizers": ("LossScaleOptimizer",),
-    "keras_amp_plus.callbacks": ("AMPMonitor",),
+    "keras_amp_plus.callbacks": ("AMPMonitor", "prepare_multi_worker_fit"),
     "keras_amp_plus.engines": (
         "Engine",
         "GrapplerEngine",

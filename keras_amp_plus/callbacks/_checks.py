@@ -11,6 +11,7 @@ import numbers
 import os
 
 from keras_amp_plus._lists.precision_lists import PrecisionLists
+from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks._event_log import check_writable
 from keras_amp_plus.callbacks._hardware_check import warn_once_if_bfloat16_is_slow
 from keras_amp_plus.engines import resolve_engine
@@ -118,8 +119,9 @@ def check_model(model) -> None:
 def check_fit_setup(monitor, model):
     """Check the model, log_dir, engine and lists; return the resolved engine."""
     check_model(model)
-    if monitor.log_dir:
-        check_writable(monitor.log_dir)
+    distribution.check_jit_compile(model)
+    if monitor.log_dir and distribution.is_chief(model.distribute_strategy):
+        check_writable(monitor.log_dir)  # other workers write nothing there
     engine = resolve_engine(monitor.engine, model, monitor.lists)
     if engine.name == "itex":
         require_itex()  # fail now, not at the first list change

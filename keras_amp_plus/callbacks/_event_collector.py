@@ -86,15 +86,18 @@ class EventCollector:
         return records
 
     def _forward_culprit(self):
-        step, data = self.recorder.stashed_batch()
-        if data is None or not self.replay:
+        step, batches = self.recorder.stashed_batches()
+        if not batches or not self.replay:
             return step, {"layer": None, "reason": "no_replay"}
         if step not in self._replayed:
-            self._replayed = {
-                step: attribution.find_forward_overflow(
+            # Each local replica's share: the first that overflows names it.
+            for data in batches:
+                culprit = attribution.find_forward_overflow(
                     self.model, data, self.index.layers, self.index.chain
                 )
-            }
+                if culprit["layer"]:
+                    break
+            self._replayed = {step: culprit}
         return step, self._replayed[step]
 
     def _unwatched_forward(self, record):

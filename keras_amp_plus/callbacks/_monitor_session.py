@@ -10,6 +10,7 @@ import logging
 
 from keras_amp_plus import _compat
 from keras_amp_plus.callbacks import _checks as checks
+from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks import _state as state_module
 from keras_amp_plus.callbacks._attribution import LayerIndex
 from keras_amp_plus.callbacks._event_collector import EventCollector
@@ -117,7 +118,13 @@ class MonitorSession:
             model, self.recorder, self.index, memory.rule, monitor.replay
         )
         self.editor = ListEditor(self.engine, self.index)
-        self.log = EventLog(monitor.log_dir)
+        # Under a multi-worker strategy only the chief writes into log_dir;
+        # every worker reads the chief's state file when a job resumes.
+        self.strategy = model.distribute_strategy
+        self.write_dir = (
+            monitor.log_dir if distribution.is_chief(self.strategy) else None
+        )
+        self.log = EventLog(self.write_dir)
         self.started = False
         self.epoch_events = []
         self._written_scalars = None
@@ -138,7 +145,7 @@ class MonitorSession:
                 logger.info("AMPMonitor: resuming the record of epoch %d.", epoch - 1)
             else:
                 previous = snapshots[max(snapshots)] if snapshots else None
-                state_module.clear_state(monitor.log_dir)
+                state_module.clear_state(self.write_dir)
                 snapshots = {}
                 state.scaler_events = self._scaler_count()
                 if previous is not None:
@@ -203,6 +210,8 @@ class MonitorSession:
         end of an epoch): most reads find nothing new and cost one host read.
         """
         events = self.collector.collect(self.epoch)
+        # Each worker replayed its own batch: every worker takes the union.
+        distribution.agree_on_layers(self.strategy, events, list(self.index.by_path))
         state = self.memory.state
         rule = self.memory.rule
         for event in events:
@@ -432,7 +441,7 @@ class MonitorSession:
             scaler_events=self.collector.scaler_cursor,
             jsonl_lines=self.log.lines_written,
         )
-        state_module.save_snapshot(self.monitor.log_dir, state, self.snapshots)
+        state_module.save_snapshot(self.write_dir, state, self.snapshots)
         self.log.flush()
 
     def close(self) -> StepCache:

@@ -215,7 +215,12 @@ class StepRecorder:
         """Return the step's logs from the metrics (put back on a skipped step)."""
         results = self.model.get_metrics_result()
         if isinstance(outputs, dict) and set(outputs) == set(results):
-            return results
+            # Shaped like the step's own logs (`prepare_multi_worker_fit`
+            # gives them a leading axis).
+            return {
+                name: tf.reshape(value, tf.shape(outputs[name]))
+                for name, value in results.items()
+            }
         return outputs
 
     def _record_step(self, data, scale_before, losses, saved_metrics):
@@ -336,15 +341,24 @@ class StepRecorder:
             self._stash_variables = [_StashBuffer(t) for t in leaves]
 
     # -- host side ---------------------------------------------------------------
-    def stashed_batch(self):
-        """Return `(step, data)` of the last overflow step, or `(0, None)`."""
+    def stashed_batches(self):
+        """Return `(step, [data])` of the last overflow step, or `(0, [])`.
+
+        One batch per local replica: under `MirroredStrategy` each replica
+        stashed its own share of the step's batch, and only some of them may
+        have overflowed.
+        """
         step = int(self.stash_step.numpy())
         if step == 0 or self._stash_variables is None:
-            return 0, None
+            return 0, []
         structure, is_none = self._stash_structure
-        values = iter([buffer.read() for buffer in self._stash_variables])
-        flat = [None if none else next(values) for none in is_none]
-        return step, tf.nest.pack_sequence_as(structure, flat)
+        per_buffer = [b.read_replicas(self.strategy) for b in self._stash_variables]
+        batches = []
+        for replica_values in zip(*per_buffer, strict=True):
+            values = iter(replica_values)
+            flat = [None if none else next(values) for none in is_none]
+            batches.append(tf.nest.pack_sequence_as(structure, flat))
+        return step, batches
 
     def read_records(self, since_count: int) -> tuple[list[OverflowRecord], int]:
         """Return the events recorded after the `since_count`-th and the new count.
@@ -447,11 +461,20 @@ class _StashBuffer:
         self.values.assign(tf.concat([flat, tf.zeros([padding], self.dtype)], 0))
         self.shape.assign(tf.shape(tensor, out_type=tf.int64))
 
-    def read(self):
-        """Return the stored tensor (host side)."""
-        shape = self.shape.numpy()
-        count = int(np.prod(shape)) if len(shape) else 1
-        return tf.reshape(tf.convert_to_tensor(self.values)[:count], shape)
+    def read_replicas(self, strategy):
+        """Return the stored tensor of each local replica (host side)."""
+        values = strategy.experimental_local_results(self.values)
+        shapes = strategy.experimental_local_results(self.shape)
+        return [
+            _read_flat(value, shape)
+            for value, shape in zip(values, shapes, strict=True)
+        ]
+
+
+def _read_flat(values, shape):
+    shape = shape.numpy()
+    count = int(np.prod(shape)) if len(shape) else 1
+    return tf.reshape(tf.convert_to_tensor(values)[:count], shape)
 
 
 class _CallOrder:

@@ -7,9 +7,10 @@ at on skipped steps.
 
 Three ways to run, like Keras's own scaler:
 - no strategy: decide and update in place;
-- a strategy that needs `merge_call` (MirroredStrategy on CPUs): finiteness is
-  computed per replica, combined across replicas, and the state is updated
-  once in cross-replica context;
+- a strategy that needs `merge_call` (MirroredStrategy and
+  MultiWorkerMirroredStrategy on CPUs): finiteness is computed per replica,
+  summed over every replica of every worker with the strategy, and the state
+  is updated once in cross-replica context;
 - a strategy that runs without `merge_call`: the per-variable flags are
   all-reduced so every replica takes the same branch.
 """
@@ -108,12 +109,19 @@ def _apply_with_merge_call(
     num_tracked = len(optimizer._tracked.variables)
 
     def cross_replica_step(distribution, grads, trainable_variables, loss_state):
-        def stacked_per_replica(fn):
-            per_replica = _compat.call_for_each_replica(distribution, fn, (grads,))
-            return tf.stack(distribution.experimental_local_results(per_replica))
+        def count_over_replicas(fn):
+            # Summed over every replica of every worker (a collective under
+            # MultiWorkerMirroredStrategy): each worker takes the same branch,
+            # or the next all-reduce of the gradients waits forever.
+            per_replica = _compat.call_for_each_replica(
+                distribution, lambda g: tf.cast(fn(g), tf.int32), (grads,)
+            )
+            return distribution.reduce(
+                tf.distribute.ReduceOp.SUM, per_replica, axis=None
+            )
 
-        def flags_fn(replica_grads):
-            return finite_flags(replica_grads, positions, num_tracked)
+        def nonfinite_fn(replica_grads):
+            return tf.logical_not(finite_flags(replica_grads, positions, num_tracked))
 
         def apply_fn():
             _compat.call_for_each_replica(
@@ -123,20 +131,38 @@ def _apply_with_merge_call(
             )
 
         # A gradient is finite only if it is finite on every replica.
-        flags = tf.reduce_all(stacked_per_replica(flags_fn), axis=0)
-        # The loss is not finite if it is not finite on any replica.
-        states = tf.stack(distribution.experimental_local_results(loss_state))
+        flags = tf.equal(count_over_replicas(nonfinite_fn), 0)
+        # Every worker records the same loss state: the largest code of any
+        # replica of any worker (reduced as counts: ReduceOp has no MAX).
+        states = distribution.reduce(
+            tf.distribute.ReduceOp.SUM,
+            _compat.call_for_each_replica(
+                distribution, _loss_state_counts, (loss_state,)
+            ),
+            axis=None,
+        )
         _finish_step(
             optimizer,
             flags,
             apply_fn,
-            lambda: tf.reduce_any(stacked_per_replica(any_nan)),
-            tf.reduce_max(states),
+            lambda: count_over_replicas(any_nan) > 0,
+            _largest_loss_state(states),
         )
 
     tf.distribute.get_replica_context().merge_call(
         cross_replica_step, args=(grads, trainable_variables, loss_state)
     )
+
+
+def _loss_state_counts(state):
+    """One-hot int32 of a replica's loss-state code (0, 1 or 2), to be summed."""
+    return tf.one_hot(tf.cast(state, tf.int32), 3, dtype=tf.int32)
+
+
+def _largest_loss_state(counts):
+    """Return the largest code that any replica reported, as int64."""
+    codes = tf.range(3, dtype=tf.int64)
+    return tf.reduce_max(tf.where(counts > 0, codes, tf.zeros_like(codes)))
 
 
 def _apply_in_replica_context(
@@ -153,7 +179,11 @@ def _apply_in_replica_context(
         )
         flags = tf.equal(summed[:-1], 0)
         has_nan_fn = lambda: summed[-1] > 0  # noqa: E731
-        loss_state = context_max(loss_state)
+        loss_state = _largest_loss_state(
+            tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, _loss_state_counts(loss_state)
+            )
+        )
     _finish_step(
         optimizer,
         flags,
@@ -163,10 +193,36 @@ def _apply_in_replica_context(
     )
 
 
-def context_max(value):
-    """Return the largest of the replicas' `value` (every replica agrees)."""
-    return tf.distribute.get_replica_context().all_reduce(
-        tf.distribute.ReduceOp.MAX, value
+def _check_not_xla_over_replicas() -> None:
+    """Raise while tracing an XLA step that cannot run under this strategy.
+
+    Keras's `compile(jit_compile=True)` compiles `strategy.run` over every
+    replica as one XLA computation on one device: with several replicas in
+    one process it cannot reach the other devices' variables; across workers
+    on CPUs TensorFlow's XLA has no collectives. Either way the step would
+    fail when first run; this raises at trace time, before any update.
+    """
+    if not tf.distribute.has_strategy() or not _compat.in_xla_compiled_function():
+        return
+    strategy = tf.distribute.get_strategy()
+    devices = list(strategy.extended.worker_devices)
+    if len(devices) > 1:
+        why = (
+            f"{len(devices)} replicas in one process are compiled into one XLA "
+            "computation on one device, which cannot reach the other devices' "
+            "variables"
+        )
+    elif strategy.num_replicas_in_sync > len(devices) and all(
+        "CPU" in device.upper() for device in devices
+    ):
+        why = "TensorFlow's XLA has no collectives across workers on CPUs"
+    else:
+        return
+    raise ValueError(
+        f"LossScaleOptimizer cannot train in a `jit_compile=True` step here: "
+        f"{why} (Keras's default `jit_compile='auto'` turns XLA off under "
+        "tf.distribute). Compile the model with `jit_compile=False`. Received: "
+        f"jit_compile=True, devices={devices}"
     )
 
 
@@ -174,6 +230,7 @@ def apply_step(optimizer, grads, trainable_variables=None) -> None:
     """Run one scaler step from replica context (what `apply()` is called in)."""
     if tf.distribute.in_cross_replica_context():
         raise ValueError("apply() must be called in a replica context.")
+    _check_not_xla_over_replicas()
     grads = list(grads)
     variables = (
         optimizer._tracked.variables

@@ -1,0 +1,197 @@
+"""Training on several workers: who writes, and one decision for all of them.
+
+Under `tf.distribute.MultiWorkerMirroredStrategy` every worker runs the same
+`fit` with its own `AMPMonitor`. The in-graph overflow decision is already
+all-reduced over every replica of every worker (the scaler's and the
+recorder's collectives), so each worker counts the same steps. What each
+worker computes on its own host is the attribution of a forward overflow: it
+replays its own stashed batch, and only the workers whose data overflowed
+find the layer. `agree_on_layers` makes that attribution the union over the
+workers, so every worker feeds the adaptation rule the same evidence and
+moves the same layers at the same epoch.
+
+Only the chief writes TensorBoard summaries and `amp_events.jsonl` (Keras's
+multi-worker guidance: other workers write to a temporary place or nowhere);
+every worker reads the chief's `amp_state.json` when a job resumes.
+
+Keras 3's `fit` fails under a multi-worker strategy before and after the
+first step; `prepare_multi_worker_fit` works around both.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from keras_amp_plus import _compat
+
+
+def is_chief(strategy) -> bool:
+    """Return True when this process writes the shared logs.
+
+    The chief of a `MultiWorkerMirroredStrategy` cluster (task type "chief",
+    or worker 0 when there is none); True for a single-worker strategy.
+    """
+    return bool(strategy.extended.should_save_summary)
+
+
+def is_multi_worker(strategy) -> bool:
+    """Return True when the strategy's replicas span more than this process."""
+    return strategy.num_replicas_in_sync > local_replicas(strategy)
+
+
+def any_across_workers(strategy, flags):
+    """Return the element-wise OR of a boolean array over every worker.
+
+    Every worker must call this at the same point with an array of the same
+    shape (a collective); a single-worker strategy returns `flags` as is.
+    """
+    flags = np.asarray(flags, dtype=bool)
+    if not is_multi_worker(strategy) or flags.size == 0:
+        return flags
+
+    @tf.function
+    def summed(local):
+        # Each replica contributes the worker's flags; > 0 is "any worker".
+        per_replica = strategy.run(tf.identity, args=(local,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return summed(tf.constant(flags.astype(np.int32))).numpy() > 0
+
+
+def agree_on_layers(strategy, events, layer_names):
+    """Give every forward event the layers any worker's replay found.
+
+    Args:
+        strategy: the model's distribution strategy.
+        events: this worker's attributed events of one read (the same steps
+            on every worker); changed in place.
+        layer_names: every attributable layer name, in the same order on
+            every worker.
+    """
+    if not is_multi_worker(strategy) or not events:
+        return events
+    position = {name: i for i, name in enumerate(layer_names)}
+    found = np.zeros((len(events), len(layer_names)), dtype=bool)
+    for row, event in enumerate(events):
+        if event["direction"] == "forward":
+            for layer in event["layers"]:
+                if layer in position:
+                    found[row, position[layer]] = True
+    agreed = any_across_workers(strategy, found)
+    for row, event in enumerate(events):
+        layers = [
+            name for name, hit in zip(layer_names, agreed[row], strict=True) if hit
+        ]
+        if event["direction"] == "forward" and layers != event["layers"]:
+            if not event["layers"]:
+                event["evidence"] = "replay of another worker's batch"
+            event["layers"] = layers
+    return events
+
+
+def local_replicas(strategy) -> int:
+    """Return the number of replicas this process runs."""
+    if strategy.num_replicas_in_sync == 1:
+        return 1  # the default strategy has no `worker_devices`
+    return len(strategy.extended.worker_devices)
+
+
+def jit_compile_problem(strategy) -> str | None:
+    """Return why a `jit_compile=True` step cannot train here, or None.
+
+    - Several replicas in one process: Keras compiles the whole step,
+      `strategy.run` over every replica included, as one XLA computation
+      placed on one device, which cannot reach the other devices' variables
+      ("Trying to access resource ... located in device .../device:CPU:1 from
+      device .../device:CPU:0", TensorFlow's XLA known issue "tf.Variable on a
+      different device").
+    - Several workers on CPUs: TensorFlow's XLA has no CPU collectives
+      ("Collectives are not yet implemented for CPU devices when compiling
+      with XLA").
+
+    Keras's own `jit_compile="auto"` turns XLA off under `tf.distribute`.
+    """
+    replicas = local_replicas(strategy)
+    if replicas > 1:
+        return (
+            f"{type(strategy).__name__} runs {replicas} replicas in this process "
+            "and Keras compiles the step of every replica into one XLA "
+            "computation on one device, which cannot reach the other devices' "
+            "variables (the step would fail with 'Trying to access resource ... "
+            "from device ...')"
+        )
+    if is_multi_worker(strategy):
+        devices = strategy.extended.worker_devices
+        if all("CPU" in device.upper() for device in devices):
+            return (
+                f"the {strategy.num_replicas_in_sync} replicas are on several "
+                "workers on CPUs and TensorFlow's XLA has no collectives for CPU "
+                "devices (the "
+                "step would fail with 'Collectives are not yet implemented for "
+                "CPU devices when compiling with XLA')"
+            )
+    return None
+
+
+def check_jit_compile(model) -> None:
+    """Raise a clear error when the model's `jit_compile=True` cannot train here.
+
+    See `jit_compile_problem`; raised in `on_train_begin`, before any step.
+
+    Args:
+        model: the compiled model.
+    """
+    if model.jit_compile is not True:
+        return
+    strategy = model.distribute_strategy
+    problem = jit_compile_problem(strategy)
+    if problem is not None:
+        raise ValueError(
+            f"`jit_compile=True` cannot train here: {problem}. Keras's default "
+            "`jit_compile='auto'` turns XLA off under tf.distribute for this "
+            "reason. Compile the model with `jit_compile=False` (or 'auto'). "
+            "Received: jit_compile=True, devices="
+            f"{list(strategy.extended.worker_devices)}"
+        )
+
+
+def prepare_multi_worker_fit(model) -> None:
+    """Let `model.fit` run under `tf.distribute.MultiWorkerMirroredStrategy`.
+
+    Keras 3's TensorFlow trainer fails there with more than one worker, with
+    or without `AMPMonitor`: it builds the model from the first batch with
+    `strategy.reduce` over an `(x, y)` tuple ("Attempt to convert a value
+    (PerReplica...)"), and it averages each step's scalar logs with
+    `strategy.reduce(..., axis=0)` ("Invalid reduction dimension 0 for input
+    with 0 dimensions"). Call this once after creating the model in
+    `strategy.scope()` and before `fit`; it only changes that model instance
+    (the first local replica's batch builds it; the logs gain a leading axis
+    of size 1, which the average removes again). It does nothing when the
+    model's strategy has a single worker.
+
+    Args:
+        model: a Keras model created under the strategy's scope.
+
+    Example:
+    >>> import keras
+    >>> from keras_amp_plus.callbacks import prepare_multi_worker_fit
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> prepare_multi_worker_fit(model)  # one worker here: nothing to do
+    """
+    strategy = model.distribute_strategy
+    if not is_multi_worker(strategy):
+        return
+    if not _compat.build_from_first_replica(model, strategy):
+        return  # Keras 2 (the ITEX stack): another trainer, not tested there
+    train_step = model.train_step
+
+    def train_step_with_vector_logs(data):
+        logs = train_step(data)
+        return tf.nest.map_structure(_as_vector, logs)
+
+    model.train_step = train_step_with_vector_logs
+
+
+def _as_vector(value):
+    if isinstance(value, tf.Tensor | tf.Variable) and value.shape.rank == 0:
+        return tf.reshape(value, [1])
+    return value

@@ -97,7 +97,7 @@ ONE_REPLICA_SCRIPT = textwrap.dedent(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2
     )
     sys.path.insert(0, {tests!r})
-    from test_amp_monitor import BATCH, overflow_model, regression_data
+    from conftest import BATCH, overflow_model, regression_data
     from keras_amp_plus.callbacks import AMPMonitor
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():

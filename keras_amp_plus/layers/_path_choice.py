@@ -17,12 +17,12 @@ of machine:
   between CPUs: where `_path_calibration` measured it on this CPU model and
   TensorFlow version (the doctor runs it), the measured winner; otherwise
   a rule. For statistics over trailing axes (layer norm): the kernels on
-  CPUs with AVX-512 (the Intel Xeon measurements), Keras's formula on CPUs
-  without (the AMD EPYC measurements of issue 10: the kernels were 1.1-1.8x
-  slower there). For statistics over middle axes (instance norm, channels
-  last), XLA's reductions are slower than TensorFlow's, and TensorFlow's
-  fused batch-norm kernel (`_batch_norm_formula`) wins from
-  `BATCH_NORM_MIN_ELEMENTS` on; below, Keras's formula.
+  CPUs with AVX-512, Keras's formula on CPUs without, where the kernels were
+  slower (`benchmarks/layers.py` measures both). For statistics over middle
+  axes (instance norm, channels last), XLA's reductions are slower than
+  TensorFlow's, and TensorFlow's fused batch-norm kernel
+  (`_batch_norm_formula`) wins from `BATCH_NORM_MIN_ELEMENTS` on; below,
+  Keras's formula.
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
   leaves XLA-compiled functions alone.

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -58,6 +59,34 @@ def run_python(code: str, timeout: float = 300, **environment) -> str:
     if done.returncode != 0:
         pytest.fail(f"child exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
     return done.stdout
+
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_TWO_CPUS_PREAMBLE = f"""
+import json, sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+sys.path.insert(0, {TESTS_DIR!r})
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+"""
+
+
+def run_on_two_cpus(body: str, timeout: float = 300):
+    """Run `body` where `strategy` mirrors two logical CPUs; return its last JSON.
+
+    Logical devices must be set before TensorFlow initialises, so this runs
+    in a fresh Python (with `json`, `sys`, `tf` and `strategy` defined, and
+    this directory importable for the shared scenario).
+    """
+    stdout = run_python(
+        _TWO_CPUS_PREAMBLE + textwrap.dedent(body),
+        timeout=timeout,
+        PYTHONPATH=os.path.dirname(TESTS_DIR),
+    )
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def nested_model():

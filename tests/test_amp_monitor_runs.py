@@ -5,12 +5,6 @@ with a batch that overflows only sometimes: `hot` has a moderate fixed kernel,
 fine on normal inputs, and one batch per epoch holds inputs 1e4 times larger.
 """
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import keras
 import numpy as np
 import pytest
@@ -223,52 +217,6 @@ def test_every_argument_is_checked_at_construction(kwargs, error):
     (name,) = kwargs
     with pytest.raises(error, match=f"Received: {name}="):
         AMPMonitor(**kwargs)
-
-
-MIRRORED_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    import tensorflow as tf
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
-    sys.path.insert(0, {tests!r})
-    from conftest import overflow_model, train
-    from keras_amp_plus.callbacks import AMPMonitor
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    with strategy.scope():
-        model = overflow_model("mixed_float16")
-    monitor = AMPMonitor({log_dir!r}, read_every_steps=4, patience=50)
-    history = train(model, [monitor], epochs=2)
-    print(json.dumps({{"events": history.history["overflow_events"],
-                      "deny": list(monitor.lists.deny_layers)}}))
-    """
-)
-
-
-@pytest.mark.slow
-def test_mirrored_strategy_on_two_logical_cpus(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tests = os.path.join(root, "tests")
-    script = MIRRORED_SCRIPT.format(tests=tests, log_dir=str(tmp_path))
-    env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    # One event per overflow step (not per replica), `hot` denied.
-    assert summary["events"][0] == STEPS_PER_EPOCH
-    assert summary["deny"] == ["hot"]
-    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
-    first = [r["step"] for r in events if r["epoch"] == 0]
-    assert first == list(range(1, STEPS_PER_EPOCH + 1))
 
 
 class CountingModel(keras.Model):

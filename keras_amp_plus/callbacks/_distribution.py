@@ -125,9 +125,8 @@ def jit_compile_problem(strategy) -> str | None:
             return (
                 f"the {strategy.num_replicas_in_sync} replicas are on several "
                 "workers on CPUs and TensorFlow's XLA has no collectives for CPU "
-                "devices (the "
-                "step would fail with 'Collectives are not yet implemented for "
-                "CPU devices when compiling with XLA')"
+                "devices (the step would fail with 'Collectives are not yet "
+                "implemented for CPU devices when compiling with XLA')"
             )
     return None
 

@@ -130,23 +130,31 @@ def _apply_with_merge_call(
                 (grads, trainable_variables),
             )
 
-        # A gradient is finite only if it is finite on every replica.
-        flags = tf.equal(count_over_replicas(nonfinite_fn), 0)
-        # Every worker records the same loss state: the largest code of any
-        # replica of any worker (reduced as counts: ReduceOp has no MAX).
-        states = distribution.reduce(
+        def step_counts(replica_grads, replica_loss_state):
+            return tf.concat(
+                [
+                    tf.cast(nonfinite_fn(replica_grads), tf.int32),
+                    _loss_state_counts(replica_loss_state),
+                ],
+                axis=0,
+            )
+
+        # One collective per step: non-finite counts per gradient (a gradient
+        # is finite only if it is finite on every replica) and the loss-state
+        # counts (every worker records the largest code of any replica).
+        summed = distribution.reduce(
             tf.distribute.ReduceOp.SUM,
             _compat.call_for_each_replica(
-                distribution, _loss_state_counts, (loss_state,)
+                distribution, step_counts, (grads, loss_state)
             ),
             axis=None,
         )
         _finish_step(
             optimizer,
-            flags,
+            tf.equal(summed[:-_LOSS_STATES], 0),
             apply_fn,
             lambda: count_over_replicas(any_nan) > 0,
-            _largest_loss_state(states),
+            _largest_loss_state(summed[-_LOSS_STATES:]),
         )
 
     tf.distribute.get_replica_context().merge_call(
@@ -154,14 +162,19 @@ def _apply_with_merge_call(
     )
 
 
+# Loss-state codes are 0, 1 and 2 (`_overflow_record.LOSS_*`). `ReduceOp` has
+# no MAX, so replicas agree on the largest code by summing one-hot counts.
+_LOSS_STATES = 3
+
+
 def _loss_state_counts(state):
-    """One-hot int32 of a replica's loss-state code (0, 1 or 2), to be summed."""
-    return tf.one_hot(tf.cast(state, tf.int32), 3, dtype=tf.int32)
+    """One-hot int32 of a replica's loss-state code, to be summed."""
+    return tf.one_hot(tf.cast(state, tf.int32), _LOSS_STATES, dtype=tf.int32)
 
 
 def _largest_loss_state(counts):
     """Return the largest code that any replica reported, as int64."""
-    codes = tf.range(3, dtype=tf.int64)
+    codes = tf.range(_LOSS_STATES, dtype=tf.int64)
     return tf.reduce_max(tf.where(counts > 0, codes, tf.zeros_like(codes)))
 
 
@@ -172,18 +185,22 @@ def _apply_in_replica_context(
     flags = finite_flags(grads, positions, len(optimizer._tracked.variables))
     has_nan_fn = lambda: any_nan(grads)  # noqa: E731 - evaluated in the skip branch
     if tf.distribute.has_strategy():
-        # Replicas see different local gradients: agree on one decision.
-        packed = tf.concat([tf.logical_not(flags), [any_nan(grads)]], axis=0)
+        # Replicas see different local gradients and losses: agree on one
+        # decision, one NaN flag and one loss state, in one all-reduce.
+        packed = tf.concat(
+            [
+                tf.cast(tf.logical_not(flags), tf.int32),
+                [tf.cast(any_nan(grads), tf.int32)],
+                _loss_state_counts(loss_state),
+            ],
+            axis=0,
+        )
         summed = tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.cast(packed, tf.int32)
+            tf.distribute.ReduceOp.SUM, packed
         )
-        flags = tf.equal(summed[:-1], 0)
-        has_nan_fn = lambda: summed[-1] > 0  # noqa: E731
-        loss_state = _largest_loss_state(
-            tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, _loss_state_counts(loss_state)
-            )
-        )
+        flags = tf.equal(summed[: -1 - _LOSS_STATES], 0)
+        has_nan_fn = lambda: summed[-1 - _LOSS_STATES] > 0  # noqa: E731
+        loss_state = _largest_loss_state(summed[-_LOSS_STATES:])
     _finish_step(
         optimizer,
         flags,

@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus._lists.layer_names import candidate_layers
-from keras_amp_plus.optimizers import LossScaleOptimizer
+from keras_amp_plus.optimizers import LossScaleOptimizer, _overflow_record
 from keras_amp_plus.optimizers._overflow_record import OverflowRecord
 
 SCALER_KAP = "keras_amp_plus"
@@ -232,24 +232,26 @@ class StepRecorder:
         # A custom `train_step` may compute its loss without `compute_loss`:
         # then the loss is not watched and every event's batch is kept.
         self.loss_watched = bool(losses)
-        loss_nonfinite = tf.constant(False)
-        loss_has_nan = tf.constant(False)
-        for loss in losses:
-            loss = tf.convert_to_tensor(loss)
-            loss_nonfinite |= tf.reduce_any(~tf.math.is_finite(loss))
-            loss_has_nan |= tf.reduce_any(tf.math.is_nan(loss))
-        loss_nonfinite = _all_replicas_any(loss_nonfinite)
         self.total_steps.assign_add(1)
         leaves = self._stash_leaves(data)
         if self.kind == SCALER_KAP:
-            # Our scaler records the event; the batch is all that is ours.
+            # Our scaler records the event and whether its loss was finite
+            # (reduced over replicas); the batch is all that is ours.
             skipped = self.optimizer.last_step_skipped > 0
             step = tf.cast(self.optimizer.total_steps, tf.int64)
             is_event = skipped
-            watched = loss_nonfinite if self.loss_watched else tf.constant(True)
             # Read in the event branch only: normal steps pay nothing for it.
-            keep_fn = lambda: watched | self._at_trusted_scale()  # noqa: E731
+            keep_fn = lambda: (  # noqa: E731
+                self._scaler_loss_not_finite() | self._at_trusted_scale()
+            )
         else:
+            loss_nonfinite = tf.constant(False)
+            loss_has_nan = tf.constant(False)
+            for loss in losses:
+                loss = tf.convert_to_tensor(loss)
+                loss_nonfinite |= tf.reduce_any(~tf.math.is_finite(loss))
+                loss_has_nan |= tf.reduce_any(tf.math.is_nan(loss))
+            loss_nonfinite = _all_replicas_any(loss_nonfinite)
             loss_has_nan = _all_replicas_any(loss_has_nan)
             scale_after = self._read_scale()
             if self.kind == SCALER_KERAS:
@@ -288,6 +290,18 @@ class StepRecorder:
 
         tf.cond(is_event, on_event, lambda: tf.constant(0))
         return skipped
+
+    def _scaler_loss_not_finite(self):
+        """Return True unless our scaler saw the skipped step's loss finite.
+
+        Read from its newest record (just written for this step); a loss it
+        never saw (a custom `train_step` without `scale_loss`) counts as not
+        finite, so that step's batch is kept for the replay.
+        """
+        optimizer = self.optimizer
+        slot = (optimizer.overflow_count - 1) % optimizer.event_buffer_size
+        state = tf.gather(tf.convert_to_tensor(optimizer.event_loss_states), slot)
+        return tf.not_equal(state, _overflow_record.LOSS_FINITE)
 
     def _at_trusted_scale(self, scale_after=None):
         """Return True when the scale after the step is at most the trusted one.

@@ -25,6 +25,12 @@ measures it (`keras_amp_plus.layers._path_calibration`, into a temporary
 cache directory so the user's cache is left alone; `--no-calibrate` keeps the
 rule from CPU features); the measured cells go into the JSON.
 
+`--floor` adds, in XLA steps, the least any implementation can cost there:
+`AffineFloor`, a float32 per-channel scale and shift (Swish: a float32
+multiply) with the same inputs, outputs and weight gradients as the layer but
+no statistics. Its ratio to Keras's is the lowest ratio a normalization (or
+activation) could reach inside that XLA step.
+
 The header names the CPU and its bfloat16 features; the JSON written to
 `benchmarks/results/` (named per CPU kind) carries them with every cell.
 
@@ -107,6 +113,27 @@ def layer_pair(kind):
     return layers.Swish(), keras.layers.Activation("swish")
 
 
+class AffineFloor(keras.layers.Layer):
+    """Float32 `x * gamma + beta` over the last axis (`kind` "Swish": `x * 2`)."""
+
+    def __init__(self, kind, **kwargs):
+        super().__init__(**kwargs)
+        self.kind = kind
+
+    def build(self, input_shape):
+        if self.kind != "Swish":
+            self.gamma = self.add_weight(shape=input_shape[-1:], initializer="ones")
+            self.beta = self.add_weight(shape=input_shape[-1:], initializer="zeros")
+
+    def call(self, inputs):
+        wide = keras.ops.cast(inputs, "float32")
+        if self.kind == "Swish":
+            return keras.ops.cast(wide * 2.0, self.compute_dtype)
+        gamma = keras.ops.cast(self.gamma, "float32")
+        beta = keras.ops.cast(self.beta, "float32")
+        return keras.ops.cast(wide * gamma + beta, self.compute_dtype)
+
+
 def make_step(layer, jit):
     """Return a tf.function running forward + backward through `layer`."""
 
@@ -152,13 +179,15 @@ def check_close(ours_out, keras_out, dtype):
     return error
 
 
-def time_cell(kind, shape, policy, step_kind, reps):
+def time_cell(kind, shape, policy, step_kind, reps, floor=False):
     """Return one grid cell: median ms of ours and Keras's, and their ratio."""
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
         ours, theirs = build_pair(kind, shape, policy)
         dtype = keras.config.dtype_policy().compute_dtype
+        affine = AffineFloor(kind)
+        affine.build(shape)
     finally:
         keras.config.set_dtype_policy(previous)
     x, upstream = inputs_for(shape, dtype)
@@ -166,6 +195,9 @@ def time_cell(kind, shape, policy, step_kind, reps):
     steps = {"ours": make_step(ours, jit), "keras": make_step(theirs, jit)}
     outputs = {who: step(x, upstream)[0] for who, step in steps.items()}
     error = check_close(outputs["ours"], outputs["keras"], dtype)
+    if floor and jit:
+        steps["floor"] = make_step(affine, jit)
+        steps["floor"](x, upstream)
     warm = []
     for step in steps.values():
         start = time.process_time()
@@ -179,8 +211,13 @@ def time_cell(kind, shape, policy, step_kind, reps):
             start = time.process_time()
             step(x, upstream)
             times[who].append(time.process_time() - start)
-    ours_ms, keras_ms = (1e3 * statistics.median(times[w]) for w in steps)
+    ours_ms, keras_ms = (1e3 * statistics.median(times[w]) for w in ("ours", "keras"))
+    floor_cells = {}
+    if "floor" in times:
+        floor_ms = 1e3 * statistics.median(times["floor"])
+        floor_cells = {"floor_ms": floor_ms, "floor_ratio": floor_ms / keras_ms}
     return {
+        **floor_cells,
         "layer": kind,
         "shape": list(shape),
         "elements": int(np.prod(shape)),
@@ -202,25 +239,32 @@ def summarize(rows):
     summary = {}
     for key, group in groups.items():
         worst = max(group, key=lambda r: r["ratio"])
+        floors = [r["floor_ratio"] for r in group if "floor_ratio" in r]
         summary[key] = (
             worst["ratio"],
             statistics.median(r["ratio"] for r in group),
             tuple(worst["shape"]),
+            statistics.median(floors) if floors else None,
         )
     return summary
 
 
 def print_summary(summary):
-    print(f"\n{'layer':<6} {'step':<6} {'policy':<15} {'worst':>6} {'median':>7}  at")
-    for (kind, step, policy), (worst, median, shape) in sorted(summary.items()):
+    print(
+        f"\n{'layer':<6} {'step':<6} {'policy':<15} {'worst':>6} {'median':>7} "
+        f"{'floor':>6}  at"
+    )
+    for (kind, step, policy), (worst, median, shape, floor) in sorted(summary.items()):
         flag = "" if worst <= TARGET_WORST and median <= TARGET_MEDIAN else "  *"
+        floor_text = "" if floor is None else f"{floor:.2f}"
         print(
-            f"{kind:<6} {step:<6} {policy:<15} {worst:6.2f} {median:7.2f}  "
-            f"{shape}{flag}"
+            f"{kind:<6} {step:<6} {policy:<15} {worst:6.2f} {median:7.2f} "
+            f"{floor_text:>6}  {shape}{flag}"
         )
     print(
         f"(* misses the target: worst <= {TARGET_WORST}, median <= {TARGET_MEDIAN};"
-        " ratio = ours / Keras's CPU time, forward + backward)"
+        " ratio = ours / Keras's CPU time, forward + backward; floor = median"
+        " of AffineFloor / Keras's, the lowest ratio reachable in that step)"
     )
 
 
@@ -233,6 +277,9 @@ def parse_args():
     parser.add_argument("--layers", nargs="+", default=list(GRID), choices=GRID)
     parser.add_argument(
         "--no-calibrate", action="store_true", help="skip measuring the paths"
+    )
+    parser.add_argument(
+        "--floor", action="store_true", help="also time AffineFloor in XLA steps"
     )
     parser.add_argument("--output", type=pathlib.Path, default=None)
     return parser.parse_args()
@@ -270,12 +317,14 @@ def main():
         for shape in grid[kind]:
             for policy in args.policies:
                 for step_kind in args.steps:
-                    row = time_cell(kind, shape, policy, step_kind, reps)
+                    row = time_cell(kind, shape, policy, step_kind, reps, args.floor)
+                    floor = row.get("floor_ratio")
                     rows.append(row)
                     print(
                         f"{kind:<6} {shape!s:<20} {policy:<15} {step_kind:<6} "
                         f"{row['ours_ms']:8.2f} {row['keras_ms']:9.2f} "
-                        f"{row['ratio']:6.2f}",
+                        f"{row['ratio']:6.2f}"
+                        + ("" if floor is None else f"  floor {floor:.2f}"),
                         flush=True,
                     )
     summary = summarize(rows)
@@ -294,8 +343,16 @@ def main():
         "path_calibration": calibration,
     }
     table = [
-        {"layer": k, "step": s, "policy": p, "worst": w, "median": m, "worst_at": a}
-        for (k, s, p), (w, m, a) in sorted(summary.items())
+        {
+            "layer": k,
+            "step": s,
+            "policy": p,
+            "worst": w,
+            "median": m,
+            "worst_at": a,
+            "floor_median": f,
+        }
+        for (k, s, p), (w, m, a, f) in sorted(summary.items())
     ]
     output.write_text(
         json.dumps({"meta": meta, "summary": table, "rows": rows}, indent=2) + "\n"

@@ -195,8 +195,6 @@ class MonitorSession:
         epoch are done.
         """
         self.last_batch = batch
-        # Under XLA the last step's batch is kept only if copied now.
-        self.recorder.poll()
         if batch - self.read_at >= self.read_every:
             self.epoch_events.extend(self.drain())
             self.read_at = batch

@@ -16,17 +16,11 @@ every N <= K steps, which keeps every event exact.
 
 Every update has a static shape (a slot is written with
 `tensor_scatter_nd_update`, never with an assignment at a run-time index), so
-the step compiles with XLA (`jit_compile=True`). Inside XLA the batch is not
-kept in a conditional (XLA copies every variable a conditional's branch may
-write on every step, taken or not, which cost about 4% of a step): every step
-writes its batch to the buffers and one flag, and the monitor, which reads the
-flag as each batch begins, copies the batch to the host when it is set.
-
-The variables are created in the model's distribution strategy scope,
-synchronized on read with ONLY_FIRST_REPLICA aggregation, and the event
-decision is all-reduced over the replicas first, so under
-`tf.distribute.MirroredStrategy` every replica takes the same branch and an
-overflow step counts once.
+the step compiles with XLA (`jit_compile=True`). The variables are created in
+the model's distribution strategy scope, synchronized on read with
+ONLY_FIRST_REPLICA aggregation, and the event decision is all-reduced over the
+replicas first, so under `tf.distribute.MirroredStrategy` every replica takes
+the same branch and an overflow step counts once.
 
 While the step is traced, the order in which the model's leaf layers are
 called is recorded (`call_order`): it is the forward order the attribution of
@@ -135,15 +129,8 @@ class StepRecorder:
             self.total_steps = _variable("amp_monitor_total_steps", (), tf.int64)
             self.event_count = _variable("amp_monitor_event_count", (), tf.int64)
             self.stash_step = _variable("amp_monitor_stash_step", (), tf.int64)
-            # Under XLA: the step of the batch in the buffers if it is to be
-            # kept, else 0 (see `poll`).
-            self.latest_kept_step = _variable(
-                "amp_monitor_latest_kept_step", (), tf.int64
-            )
             # Our scaler records the events itself: no ring of our own then.
             self.ring = None if self.kind == SCALER_KAP else _EventRing(capacity)
-        self._stash_by_host = False
-        self._held = (0, [])
         self._stash_variables = None
         self._stash_structure = None
         # Replicas of a MirroredStrategy trace the step in their own threads.
@@ -296,7 +283,7 @@ class StepRecorder:
                     loss_has_nan,
                 )
                 self.event_count.assign_add(1)
-            if not self._stash_by_host:
+            if not stash_by_select:
                 tf.cond(
                     keep_fn(),
                     lambda: self._stash(leaves, step),
@@ -305,11 +292,12 @@ class StepRecorder:
             return tf.constant(0)
 
         # Inside XLA a conditional copies every variable its branch may write
-        # on every step, taken or not: the host keeps the batch instead.
-        self._stash_by_host = _compat.in_xla_compiled_function()
+        # on every step, taken or not: for the batch-sized stash that cost
+        # about 4% of a step. A select reads and writes the batch once.
+        stash_by_select = _compat.in_xla_compiled_function()
         tf.cond(is_event, on_event, lambda: tf.constant(0))
-        if self._stash_by_host:
-            self._stash_every_step(leaves, step, is_event & keep_fn())
+        if stash_by_select:
+            self._stash_selected(leaves, step, is_event & keep_fn())
         return skipped
 
     def _scaler_loss_not_finite(self):
@@ -351,14 +339,15 @@ class StepRecorder:
 
         return tf.cond(fits, write_stash, lambda: tf.constant(0))
 
-    def _stash_every_step(self, leaves, step, keep):
-        """Write the batch; flag it with its step when it is to be kept (XLA)."""
+    def _stash_selected(self, leaves, step, keep):
+        """`_stash` as selects: the buffers take the batch where `keep` holds."""
         fits = tf.constant(True)
         for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
             fits &= buffer.fits(tensor)
-            buffer.write_if_it_fits(tensor)
-        kept_step = tf.where(keep & fits, step, tf.zeros_like(step))
-        self.latest_kept_step.assign(tf.cast(kept_step, tf.int64))
+        keep &= fits
+        for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
+            buffer.write_where(keep, tensor)
+        self.stash_step.assign(tf.where(keep, step, self.stash_step))
 
     def _stash_leaves(self, data):
         """Return the batch's tensors; create their stash buffers on first use."""
@@ -385,19 +374,6 @@ class StepRecorder:
             self._stash_variables = [_StashBuffer(t) for t in leaves]
 
     # -- host side ---------------------------------------------------------------
-    def poll(self) -> None:
-        """Copy the last step's batch to the host if the step kept it (XLA).
-
-        Call after every step (the monitor does, as each batch begins): the
-        next step overwrites the buffers. Does nothing outside XLA, where the
-        step itself keeps the batch.
-        """
-        if not self._stash_by_host:
-            return
-        step = int(self.latest_kept_step.numpy())
-        if step and step != self._held[0]:
-            self._held = (step, self._read_stash())
-
     def stashed_batches(self):
         """Return `(step, [data])` of the last overflow step, or `(0, [])`.
 
@@ -405,16 +381,9 @@ class StepRecorder:
         stashed its own share of the step's batch, and only some of them may
         have overflowed.
         """
-        if self._stash_by_host:
-            self.poll()
-            return self._held
         step = int(self.stash_step.numpy())
         if step == 0 or self._stash_variables is None:
             return 0, []
-        return step, self._read_stash()
-
-    def _read_stash(self):
-        """Return the buffers' batch, one per local replica (host side)."""
         structure, is_none = self._stash_structure
         per_buffer = [b.read_replicas(self.strategy) for b in self._stash_variables]
         batches = []
@@ -422,7 +391,7 @@ class StepRecorder:
             values = iter(replica_values)
             flat = [None if none else next(values) for none in is_none]
             batches.append(tf.nest.pack_sequence_as(structure, flat))
-        return batches
+        return step, batches
 
     def read_records(self, since_count: int) -> tuple[list[OverflowRecord], int]:
         """Return the events recorded after the `since_count`-th and the new count.
@@ -522,13 +491,20 @@ class _StashBuffer:
         self.values.assign(self._padded(tensor))
         self.shape.assign(tf.shape(tensor, out_type=tf.int64))
 
-    def write_if_it_fits(self, tensor):
-        """Store `tensor`; one that does not fit leaves a cut copy (see `fits`)."""
-        size = tensor.shape.num_elements()
-        if size is not None and size > self.size:
+    def write_where(self, condition, tensor):
+        """Store `tensor` where the scalar `condition` holds, else keep the old.
+
+        `tensor` must fit unless `condition` is False.
+        """
+        if not self._fits_statically(tensor):
             return  # a larger batch, known at trace time: never stored
-        self.values.assign(self._padded(tensor))
-        self.shape.assign(tf.shape(tensor, out_type=tf.int64))
+        self.values.assign(tf.where(condition, self._padded(tensor), self.values))
+        shape = tf.shape(tensor, out_type=tf.int64)
+        self.shape.assign(tf.where(condition, shape, self.shape))
+
+    def _fits_statically(self, tensor):
+        size = tensor.shape.num_elements()
+        return size is None or size <= self.size
 
     def _padded(self, tensor):
         """Return the flat tensor, then zeros up to the buffer's size."""

@@ -265,6 +265,10 @@ class StepRecorder:
                 keep |= skipped & self._at_trusted_scale(scale_after)
             keep_fn = lambda: keep  # noqa: E731
 
+        # Inside XLA a conditional copies every variable its branch may write
+        # on every step, taken or not; a select reads and writes the batch once.
+        stash_by_select = _compat.in_xla_compiled_function()
+
         def on_event():
             if saved_metrics is not None:
                 # The skipped step's loss is left out of the epoch's averages.
@@ -291,10 +295,6 @@ class StepRecorder:
                 )
             return tf.constant(0)
 
-        # Inside XLA a conditional copies every variable its branch may write
-        # on every step, taken or not: for the batch-sized stash that cost
-        # about 4% of a step. A select reads and writes the batch once.
-        stash_by_select = _compat.in_xla_compiled_function()
         tf.cond(is_event, on_event, lambda: tf.constant(0))
         if stash_by_select:
             self._stash_selected(leaves, step, is_event & keep_fn())
@@ -327,9 +327,7 @@ class StepRecorder:
 
     def _stash(self, leaves, step):
         """Keep the batch of a forward overflow for the replay (if it fits)."""
-        fits = tf.constant(True)
-        for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
-            fits &= buffer.fits(tensor)
+        fits = self._batch_fits(leaves)
 
         def write_stash():
             for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
@@ -341,13 +339,17 @@ class StepRecorder:
 
     def _stash_selected(self, leaves, step, keep):
         """`_stash` as selects: the buffers take the batch where `keep` holds."""
-        fits = tf.constant(True)
-        for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
-            fits &= buffer.fits(tensor)
-        keep &= fits
+        keep &= self._batch_fits(leaves)
         for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
             buffer.write_where(keep, tensor)
         self.stash_step.assign(tf.where(keep, step, self.stash_step))
+
+    def _batch_fits(self, leaves):
+        """Return a boolean tensor: True when every leaf fits in its buffer."""
+        fits = tf.constant(True)
+        for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
+            fits &= buffer.fits(tensor)
+        return fits
 
     def _stash_leaves(self, data):
         """Return the batch's tensors; create their stash buffers on first use."""

@@ -25,6 +25,10 @@ measures it (`keras_amp_plus.layers._path_calibration`, into a temporary
 cache directory so the user's cache is left alone; `--no-calibrate` keeps the
 rule from CPU features); the measured cells go into the JSON.
 
+`--control` adds an A/A control to every cell: a second Keras layer (same
+weights, its own function) timed in the same rounds; its ratio to Keras's shows
+how far a ratio moves when nothing differs.
+
 `--floor` adds, in XLA steps, the least any implementation can cost there:
 `AffineFloor`, a float32 per-channel scale and shift (Swish: a float32
 multiply) with the same inputs, outputs and weight gradients as the layer but
@@ -35,7 +39,8 @@ The header names the CPU and its bfloat16 features; the JSON written to
 `benchmarks/results/` (named per CPU kind) carries them with every cell.
 
 Usage: python benchmarks/layers.py [--quick] [--reps N] [--policies ...]
-    [--steps graph xla] [--layers LN IN Swish] [--no-calibrate] [--output PATH]
+    [--steps graph xla] [--layers LN IN Swish] [--no-calibrate] [--control]
+    [--floor] [--output PATH]
 """
 
 import argparse
@@ -149,16 +154,18 @@ def make_step(layer, jit):
 
 
 def build_pair(kind, shape, policy):
-    """Return (ours, keras) layers built for `shape` under `policy`, same weights."""
+    """Return (ours, keras, keras again) built for `shape`, all with one weights."""
     ours, theirs = layer_pair(kind)
-    for layer in (ours, theirs):
+    again = layer_pair(kind)[1]
+    for layer in (ours, theirs, again):
         layer.build(shape)
     rng = np.random.default_rng(3)
     values = [rng.normal(1.0 - i, 0.3, w.shape) for i, w in enumerate(ours.weights)]
     for weight, value in zip(ours.weights, values, strict=True):
         weight.assign(value)
     theirs.set_weights(ours.get_weights())
-    return ours, theirs
+    again.set_weights(ours.get_weights())
+    return ours, theirs, again
 
 
 def inputs_for(shape, dtype, seed=0):
@@ -179,12 +186,12 @@ def check_close(ours_out, keras_out, dtype):
     return error
 
 
-def time_cell(kind, shape, policy, step_kind, reps, floor=False):
+def time_cell(kind, shape, policy, step_kind, reps, floor=False, control=False):
     """Return one grid cell: median ms of ours and Keras's, and their ratio."""
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
-        ours, theirs = build_pair(kind, shape, policy)
+        ours, theirs, again = build_pair(kind, shape, policy)
         dtype = keras.config.dtype_policy().compute_dtype
         affine = AffineFloor(kind)
         affine.build(shape)
@@ -198,6 +205,9 @@ def time_cell(kind, shape, policy, step_kind, reps, floor=False):
     if floor and jit:
         steps["floor"] = make_step(affine, jit)
         steps["floor"](x, upstream)
+    if control:
+        steps["keras_again"] = make_step(again, jit)
+        steps["keras_again"](x, upstream)
     warm = []
     for step in steps.values():
         start = time.process_time()
@@ -216,6 +226,9 @@ def time_cell(kind, shape, policy, step_kind, reps, floor=False):
     if "floor" in times:
         floor_ms = 1e3 * statistics.median(times["floor"])
         floor_cells = {"floor_ms": floor_ms, "floor_ratio": floor_ms / keras_ms}
+    if "keras_again" in times:
+        again_ms = 1e3 * statistics.median(times["keras_again"])
+        floor_cells["control_ratio"] = again_ms / keras_ms
     return {
         **floor_cells,
         "layer": kind,
@@ -240,11 +253,13 @@ def summarize(rows):
     for key, group in groups.items():
         worst = max(group, key=lambda r: r["ratio"])
         floors = [r["floor_ratio"] for r in group if "floor_ratio" in r]
+        controls = [r["control_ratio"] for r in group if "control_ratio" in r]
         summary[key] = (
             worst["ratio"],
             statistics.median(r["ratio"] for r in group),
             tuple(worst["shape"]),
             statistics.median(floors) if floors else None,
+            max(controls) if controls else None,
         )
     return summary
 
@@ -252,19 +267,22 @@ def summarize(rows):
 def print_summary(summary):
     print(
         f"\n{'layer':<6} {'step':<6} {'policy':<15} {'worst':>6} {'median':>7} "
-        f"{'floor':>6}  at"
+        f"{'floor':>6} {'A/A':>5}  at"
     )
-    for (kind, step, policy), (worst, median, shape, floor) in sorted(summary.items()):
+    for key, (worst, median, shape, floor, control) in sorted(summary.items()):
+        kind, step, policy = key
         flag = "" if worst <= TARGET_WORST and median <= TARGET_MEDIAN else "  *"
         floor_text = "" if floor is None else f"{floor:.2f}"
+        control_text = "" if control is None else f"{control:.2f}"
         print(
             f"{kind:<6} {step:<6} {policy:<15} {worst:6.2f} {median:7.2f} "
-            f"{floor_text:>6}  {shape}{flag}"
+            f"{floor_text:>6} {control_text:>5}  {shape}{flag}"
         )
     print(
         f"(* misses the target: worst <= {TARGET_WORST}, median <= {TARGET_MEDIAN};"
         " ratio = ours / Keras's CPU time, forward + backward; floor = median"
-        " of AffineFloor / Keras's, the lowest ratio reachable in that step)"
+        " of AffineFloor / Keras's, the lowest ratio reachable in that step;"
+        " A/A = worst ratio of a second Keras layer to Keras's, the noise)"
     )
 
 
@@ -280,6 +298,9 @@ def parse_args():
     )
     parser.add_argument(
         "--floor", action="store_true", help="also time AffineFloor in XLA steps"
+    )
+    parser.add_argument(
+        "--control", action="store_true", help="also time Keras's layer again (A/A)"
     )
     parser.add_argument("--output", type=pathlib.Path, default=None)
     return parser.parse_args()
@@ -317,14 +338,18 @@ def main():
         for shape in grid[kind]:
             for policy in args.policies:
                 for step_kind in args.steps:
-                    row = time_cell(kind, shape, policy, step_kind, reps, args.floor)
+                    row = time_cell(
+                        kind, shape, policy, step_kind, reps, args.floor, args.control
+                    )
                     floor = row.get("floor_ratio")
+                    control = row.get("control_ratio")
                     rows.append(row)
                     print(
                         f"{kind:<6} {shape!s:<20} {policy:<15} {step_kind:<6} "
                         f"{row['ours_ms']:8.2f} {row['keras_ms']:9.2f} "
                         f"{row['ratio']:6.2f}"
-                        + ("" if floor is None else f"  floor {floor:.2f}"),
+                        + ("" if floor is None else f"  floor {floor:.2f}")
+                        + ("" if control is None else f"  A/A {control:.2f}"),
                         flush=True,
                     )
     summary = summarize(rows)
@@ -351,8 +376,9 @@ def main():
             "median": m,
             "worst_at": a,
             "floor_median": f,
+            "control_worst": c,
         }
-        for (k, s, p), (w, m, a, f) in sorted(summary.items())
+        for (k, s, p), (w, m, a, f, c) in sorted(summary.items())
     ]
     output.write_text(
         json.dumps({"meta": meta, "summary": table, "rows": rows}, indent=2) + "\n"

@@ -11,6 +11,7 @@ When a private Keras or TensorFlow name is unavoidable it is reached from this
 module only, with a comment saying why.
 """
 
+import contextlib
 import functools
 
 import keras
@@ -310,6 +311,24 @@ def in_xla_compiled_function() -> bool:
 
     graph = tf.compat.v1.get_default_graph()
     return control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+@contextlib.contextmanager
+def train_function_built_without_xla(model):
+    """Build `fit`'s step in this block as a plain graph function (no XLA).
+
+    The monitor compiles the model's own `train_step` with XLA itself and keeps
+    its bookkeeping outside (see `StepRecorder`). Why private: both Kerases
+    read `jit_compile` from `model._jit_compile`, and Keras 2's public setter
+    also drops the cached train/test/predict functions (`_reset_compile_cache`),
+    which must not happen inside `fit`.
+    """
+    previous = model._jit_compile
+    model._jit_compile = False
+    try:
+        yield
+    finally:
+        model._jit_compile = previous
 
 
 # --- The loss scaler's base class -------------------------------------------

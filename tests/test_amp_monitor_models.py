@@ -236,3 +236,61 @@ def test_a_forward_overflow_that_max_pooling_hides_from_the_loss_is_named(tmp_pa
     assert all("the loss stayed finite" in r["evidence"] for r in trusted)
     assert result["deny_layers"] == ["hot"]
     assert np.isfinite(result["loss"][-1])
+
+
+def test_under_jit_compile_the_batch_is_stashed_outside_xla(monkeypatch):
+    """The step and its recording run in XLA; the batch's stash around it.
+
+    Inside XLA a conditional copies the batch-sized stash buffers on every
+    step, taken or not; in the graph around it, an untaken one costs nothing.
+    Validation stays compiled too, and the model's `jit_compile` reads True
+    all along.
+    """
+    from keras_amp_plus import _compat
+    from keras_amp_plus.callbacks import _step_recorder
+
+    in_xla = {"layer": [], "stash": [], "select": []}
+
+    class Probe(keras.layers.Layer):
+        def call(self, inputs):
+            in_xla["layer"].append(_compat.in_xla_compiled_function())
+            return inputs
+
+    recorder = _step_recorder.StepRecorder
+    stash, stash_selected = recorder._stash, recorder._stash_selected
+
+    def observed_stash(self, *args):
+        in_xla["stash"].append(_compat.in_xla_compiled_function())
+        return stash(self, *args)
+
+    def observed_stash_selected(self, *args):
+        in_xla["select"].append(_compat.in_xla_compiled_function())
+        return stash_selected(self, *args)
+
+    monkeypatch.setattr(recorder, "_stash", observed_stash)
+    monkeypatch.setattr(recorder, "_stash_selected", observed_stash_selected)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(4), Probe(), keras.layers.Dense(1)]
+    )
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(), on_min_scale="ignore")
+    model.compile(optimizer, "mse", jit_compile=True)
+    during_fit = []
+    watch = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: during_fit.append(model.jit_compile)
+    )
+    x = np.ones((32, 4), "float32")
+    y = np.ones((32, 1), "float32")
+    model.fit(
+        x,
+        y,
+        epochs=2,
+        verbose=0,
+        validation_data=(x, y),
+        callbacks=[AMPMonitor(None), watch],
+    )
+    assert in_xla["stash"] and not any(in_xla["stash"])
+    assert in_xla["select"] == []
+    # Traced once at build (no XLA), once in the train step, once in validation.
+    assert in_xla["layer"][-2:] == [True, True]
+    assert during_fit == [True, True]
+    assert model.jit_compile is True

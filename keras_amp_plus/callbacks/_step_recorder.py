@@ -139,12 +139,34 @@ class StepRecorder:
         self.loss_watched = True
         self.call_order = []
         self.installed = False
+        self.compiles_model_step = False
 
     # -- installing the wrappers -------------------------------------------------
     def install(self) -> None:
-        """Wrap `train_step`/`compute_loss` on the instance and rebuild `fit`'s step."""
+        """Wrap the model's step on the instance; the caller then rebuilds it.
+
+        Wraps `train_step` and `compute_loss` and, under `jit_compile=True`,
+        `make_train_function` (see `_wrap_make_train_function`).
+        """
         model = self.model
-        for name in ("train_step", "compute_loss"):
+        self._unwrap_previous(model)
+        # Decided after the unwrapping: the model's own setting.
+        self.compiles_model_step = model.jit_compile is True
+        wrappers = {
+            "compute_loss": self._wrap_compute_loss(model.compute_loss),
+            "train_step": self._wrap_train_step(model.train_step),
+            "make_train_function": self._wrap_make_train_function(
+                model.make_train_function
+            ),
+        }
+        for name, wrapper in wrappers.items():
+            wrapper._amp_monitor_original = self._saved_attributes[name]
+            setattr(model, name, wrapper)
+        self.installed = True
+
+    def _unwrap_previous(self, model) -> None:
+        """Remember the model's own attributes, without any earlier wrapper."""
+        for name in ("train_step", "compute_loss", "make_train_function"):
             previous = model.__dict__.get(name)
             # A `fit` that died in an exception never ran `on_train_end`: drop
             # that run's wrapper instead of wrapping it again.
@@ -155,9 +177,8 @@ class StepRecorder:
                 model.__dict__.pop(name, None)
             else:
                 setattr(model, name, previous)
-        original_train_step = model.train_step
-        original_compute_loss = model.compute_loss
 
+    def _wrap_compute_loss(self, original_compute_loss):
         def compute_loss(*args, **kwargs):
             loss = original_compute_loss(*args, **kwargs)
             captured = getattr(self._local, "losses", None)
@@ -165,25 +186,53 @@ class StepRecorder:
                 captured.append(loss)
             return loss
 
-        def train_step(data):
-            self._local.losses = []
+        return compute_loss
+
+    def _wrap_train_step(self, original_train_step):
+        def recorded_step(data, leaves):
+            """Run the model's step, then record it (stashing when `leaves`)."""
             scale_before = self._read_scale()
             saved_metrics = self._metric_values()
-            with _CallOrder(model) as order:
+            self._local.losses = []
+            with _CallOrder(self.model) as order:
                 outputs = original_train_step(data)
             if order.layers:
                 self.call_order = order.layers
             losses, self._local.losses = self._local.losses, None
-            self._record_step(data, scale_before, losses, saved_metrics)
+            keep, step = self._record_step(leaves, scale_before, losses, saved_metrics)
             if saved_metrics is not None:
                 outputs = self._metrics_result(outputs)
+            return outputs, keep, step
+
+        def train_step(data):
+            leaves = self._stash_leaves(data)
+            if not self.compiles_model_step or _compat.in_xla_compiled_function():
+                return recorded_step(data, leaves)[0]
+            # XLA compiles the step and the scalar recording; the batch's
+            # stash runs in the graph around it: inside XLA a conditional
+            # copies the batch-sized buffers on every step, taken or not.
+            # A new function per trace: a rebuilt step traces the model again.
+            compiled = tf.function(
+                lambda data: recorded_step(data, None),
+                jit_compile=True,
+                autograph=False,
+            )
+            outputs, keep, step = compiled(data)
+            tf.cond(keep, lambda: self._stash(leaves, step), lambda: tf.constant(0))
             return outputs
 
-        compute_loss._amp_monitor_original = self._saved_attributes["compute_loss"]
-        train_step._amp_monitor_original = self._saved_attributes["train_step"]
-        model.compute_loss = compute_loss
-        model.train_step = train_step
-        self.installed = True
+        return train_step
+
+    def _wrap_make_train_function(self, original_make_train_function):
+        """Build `fit`'s step without XLA when `train_step` compiles it itself."""
+
+        def make_train_function(force=False):
+            if not self.compiles_model_step:
+                return original_make_train_function(force=force)
+            with _compat.train_function_built_without_xla(self.model):
+                return original_make_train_function(force=force)
+
+        return make_train_function
 
     def uninstall(self) -> None:
         """Put back the model's own `train_step`/`compute_loss`."""
@@ -223,17 +272,19 @@ class StepRecorder:
             }
         return outputs
 
-    def _record_step(self, data, scale_before, losses, saved_metrics):
+    def _record_step(self, leaves, scale_before, losses, saved_metrics):
         """Record what the scaler cannot see, only on a skipped/overflow step.
 
         Everything happens in one `tf.cond`, so a normal step pays a few
-        scalar ops and one conditional (each one costs under XLA).
+        scalar ops and one conditional. The batch `leaves` are stashed here
+        unless None (the caller stashes then). Returns `(keep, step)`: whether
+        this step's batch is to be kept for the replay (None when it was
+        decided and done here, in graph mode), and its step number.
         """
         # A custom `train_step` may compute its loss without `compute_loss`:
         # then the loss is not watched and every event's batch is kept.
         self.loss_watched = bool(losses)
         self.total_steps.assign_add(1)
-        leaves = self._stash_leaves(data)
         if self.kind == SCALER_KAP:
             # Our scaler records the event and whether its loss was finite
             # (reduced over replicas); the batch is all that is ours.
@@ -267,7 +318,8 @@ class StepRecorder:
 
         # Inside XLA a conditional copies every variable its branch may write
         # on every step, taken or not; a select reads and writes the batch once.
-        stash_by_select = _compat.in_xla_compiled_function()
+        stash_by_select = leaves is not None and _compat.in_xla_compiled_function()
+        stash_by_cond = leaves is not None and not stash_by_select
 
         def on_event():
             if saved_metrics is not None:
@@ -287,7 +339,7 @@ class StepRecorder:
                     loss_has_nan,
                 )
                 self.event_count.assign_add(1)
-            if not stash_by_select:
+            if stash_by_cond:
                 tf.cond(
                     keep_fn(),
                     lambda: self._stash(leaves, step),
@@ -296,9 +348,12 @@ class StepRecorder:
             return tf.constant(0)
 
         tf.cond(is_event, on_event, lambda: tf.constant(0))
+        if stash_by_cond:
+            return None, step  # decided in the event branch
+        keep = is_event & keep_fn()
         if stash_by_select:
-            self._stash_selected(leaves, step, is_event & keep_fn())
-        return skipped
+            self._stash_selected(leaves, step, keep)
+        return keep, step
 
     def _scaler_loss_not_finite(self):
         """Return True unless our scaler saw the skipped step's loss finite.

@@ -249,26 +249,20 @@ def test_under_jit_compile_the_batch_is_stashed_outside_xla(monkeypatch):
     from keras_amp_plus import _compat
     from keras_amp_plus.callbacks import _step_recorder
 
-    in_xla = {"layer": [], "stash": [], "select": []}
+    in_xla = {"layer": [], "stash": []}
 
     class Probe(keras.layers.Layer):
         def call(self, inputs):
             in_xla["layer"].append(_compat.in_xla_compiled_function())
             return inputs
 
-    recorder = _step_recorder.StepRecorder
-    stash, stash_selected = recorder._stash, recorder._stash_selected
+    stash = _step_recorder.StepRecorder._stash
 
     def observed_stash(self, *args):
         in_xla["stash"].append(_compat.in_xla_compiled_function())
         return stash(self, *args)
 
-    def observed_stash_selected(self, *args):
-        in_xla["select"].append(_compat.in_xla_compiled_function())
-        return stash_selected(self, *args)
-
-    monkeypatch.setattr(recorder, "_stash", observed_stash)
-    monkeypatch.setattr(recorder, "_stash_selected", observed_stash_selected)
+    monkeypatch.setattr(_step_recorder.StepRecorder, "_stash", observed_stash)
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(4), Probe(), keras.layers.Dense(1)]
     )
@@ -289,7 +283,6 @@ def test_under_jit_compile_the_batch_is_stashed_outside_xla(monkeypatch):
         callbacks=[AMPMonitor(None), watch],
     )
     assert in_xla["stash"] and not any(in_xla["stash"])
-    assert in_xla["select"] == []
     # Traced once at build (no XLA), once in the train step, once in validation.
     assert in_xla["layer"][-2:] == [True, True]
     assert during_fit == [True, True]

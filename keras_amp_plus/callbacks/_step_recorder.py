@@ -16,11 +16,18 @@ every N <= K steps, which keeps every event exact.
 
 Every update has a static shape (a slot is written with
 `tensor_scatter_nd_update`, never with an assignment at a run-time index), so
-the step compiles with XLA (`jit_compile=True`). The variables are created in
-the model's distribution strategy scope, synchronized on read with
-ONLY_FIRST_REPLICA aggregation, and the event decision is all-reduced over the
-replicas first, so under `tf.distribute.MirroredStrategy` every replica takes
-the same branch and an overflow step counts once.
+the recording compiles with XLA. Under `jit_compile=True` the recorder builds
+`fit`'s step as a graph function and compiles the model's step and the
+recording in it with XLA itself; only the batch's stash runs in the graph
+around it (inside XLA a conditional copies the batch-sized buffers it may
+write on every step, taken or not). The model's `jit_compile` is left as the
+user set it, and validation and prediction stay compiled.
+
+The variables are created in the model's distribution strategy scope,
+synchronized on read with ONLY_FIRST_REPLICA aggregation, and the event
+decision is all-reduced over the replicas first, so under
+`tf.distribute.MirroredStrategy` every replica takes the same branch and an
+overflow step counts once.
 
 While the step is traced, the order in which the model's leaf layers are
 called is recorded (`call_order`): it is the forward order the attribution of
@@ -279,7 +286,7 @@ class StepRecorder:
         scalar ops and one conditional. The batch `leaves` are stashed here
         unless None (the caller stashes then). Returns `(keep, step)`: whether
         this step's batch is to be kept for the replay (None when it was
-        decided and done here, in graph mode), and its step number.
+        decided and done here), and its step number.
         """
         # A custom `train_step` may compute its loss without `compute_loss`:
         # then the loss is not watched and every event's batch is kept.
@@ -316,11 +323,6 @@ class StepRecorder:
                 keep |= skipped & self._at_trusted_scale(scale_after)
             keep_fn = lambda: keep  # noqa: E731
 
-        # Inside XLA a conditional copies every variable its branch may write
-        # on every step, taken or not; a select reads and writes the batch once.
-        stash_by_select = leaves is not None and _compat.in_xla_compiled_function()
-        stash_by_cond = leaves is not None and not stash_by_select
-
         def on_event():
             if saved_metrics is not None:
                 # The skipped step's loss is left out of the epoch's averages.
@@ -339,7 +341,7 @@ class StepRecorder:
                     loss_has_nan,
                 )
                 self.event_count.assign_add(1)
-            if stash_by_cond:
+            if leaves is not None:
                 tf.cond(
                     keep_fn(),
                     lambda: self._stash(leaves, step),
@@ -348,12 +350,9 @@ class StepRecorder:
             return tf.constant(0)
 
         tf.cond(is_event, on_event, lambda: tf.constant(0))
-        if stash_by_cond:
+        if leaves is not None:
             return None, step  # decided in the event branch
-        keep = is_event & keep_fn()
-        if stash_by_select:
-            self._stash_selected(leaves, step, keep)
-        return keep, step
+        return is_event & keep_fn(), step
 
     def _scaler_loss_not_finite(self):
         """Return True unless our scaler saw the skipped step's loss finite.
@@ -391,13 +390,6 @@ class StepRecorder:
             return tf.constant(0)
 
         return tf.cond(fits, write_stash, lambda: tf.constant(0))
-
-    def _stash_selected(self, leaves, step, keep):
-        """`_stash` as selects: the buffers take the batch where `keep` holds."""
-        keep &= self._batch_fits(leaves)
-        for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
-            buffer.write_where(keep, tensor)
-        self.stash_step.assign(tf.where(keep, step, self.stash_step))
 
     def _batch_fits(self, leaves):
         """Return a boolean tensor: True when every leaf fits in its buffer."""
@@ -547,21 +539,6 @@ class _StashBuffer:
         """Store `tensor` (call only when `fits(tensor)`)."""
         self.values.assign(self._padded(tensor))
         self.shape.assign(tf.shape(tensor, out_type=tf.int64))
-
-    def write_where(self, condition, tensor):
-        """Store `tensor` where the scalar `condition` holds, else keep the old.
-
-        `tensor` must fit unless `condition` is False.
-        """
-        if not self._fits_statically(tensor):
-            return  # a larger batch, known at trace time: never stored
-        self.values.assign(tf.where(condition, self._padded(tensor), self.values))
-        shape = tf.shape(tensor, out_type=tf.int64)
-        self.shape.assign(tf.where(condition, shape, self.shape))
-
-    def _fits_statically(self, tensor):
-        size = tensor.shape.num_elements()
-        return size is None or size <= self.size
 
     def _padded(self, tensor):
         """Return the flat tensor, then zeros up to the buffer's size."""

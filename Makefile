@@ -48,8 +48,13 @@ test-itex: $(ITEX_PY)
 bench-itex: $(ITEX_PY)
 	$(ITEX_PY) benchmarks/itex_stack.py
 
+# The full runs behind the README's "Measured" section (about 30 min, quiet machine).
 bench: $(PY)
-	for script in $(BENCHMARKS); do $(PY) $$script || exit 1; done
+	$(PY) benchmarks/layers.py --control --floor
+	$(PY) benchmarks/training.py
+	$(PY) benchmarks/loss_scale.py
+	$(PY) benchmarks/monitor.py
+	$(PY) benchmarks/monitor.py --jit
 
 # CI-sized runs of every benchmark (results go to *_quick.json).
 bench-quick: $(PY)

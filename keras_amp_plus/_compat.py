@@ -313,22 +313,25 @@ def in_xla_compiled_function() -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(graph)
 
 
+# Keras 3 reads `jit_compile` when `make_train_function` builds `fit`'s step;
+# Keras 2.15 reads it later, when that step is first traced inside `fit`.
+CAN_BUILD_TRAIN_FUNCTION_WITHOUT_XLA = IS_KERAS_3
+
+
 @contextlib.contextmanager
 def train_function_built_without_xla(model):
     """Build `fit`'s step in this block as a plain graph function (no XLA).
 
-    The monitor compiles the model's own `train_step` with XLA itself and keeps
-    its bookkeeping outside (see `StepRecorder`). Why private: both Kerases
-    read `jit_compile` from `model._jit_compile`, and Keras 2's public setter
-    also drops the cached train/test/predict functions (`_reset_compile_cache`),
-    which must not happen inside `fit`.
+    Keras 3 only (see `CAN_BUILD_TRAIN_FUNCTION_WITHOUT_XLA`). The monitor
+    compiles the model's own `train_step` with XLA itself and keeps its batch
+    stash outside (see `StepRecorder`).
     """
-    previous = model._jit_compile
-    model._jit_compile = False
+    previous = model.jit_compile
+    model.jit_compile = False
     try:
         yield
     finally:
-        model._jit_compile = previous
+        model.jit_compile = previous
 
 
 # --- The loss scaler's base class -------------------------------------------

@@ -287,3 +287,35 @@ def test_under_jit_compile_the_batch_is_stashed_outside_xla(monkeypatch):
     assert in_xla["layer"][-2:] == [True, True]
     assert during_fit == [True, True]
     assert model.jit_compile is True
+
+
+def test_a_fit_interrupted_under_xla_leaves_no_xla_for_a_later_plain_fit():
+    """Wrappers left by a `fit` that raised follow the model's setting of now."""
+    from keras_amp_plus import _compat
+
+    traced_in_xla = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, inputs):
+            traced_in_xla.append(_compat.in_xla_compiled_function())
+            return inputs
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise KeyboardInterrupt
+
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(4), Probe(), keras.layers.Dense(1)]
+    )
+    model.compile(keras.optimizers.SGD(), "mse", jit_compile=True)
+    x = np.ones((64, 4), "float32")
+    y = np.ones((64, 1), "float32")
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(
+            x, y, batch_size=32, verbose=0, callbacks=[AMPMonitor(None), Interrupt()]
+        )
+    assert traced_in_xla[-1] is True
+    model.compile(keras.optimizers.SGD(), "mse", jit_compile=False)
+    traced_in_xla.clear()
+    model.fit(x, y, batch_size=32, verbose=0)
+    assert traced_in_xla == [False]

@@ -4,7 +4,8 @@ Every overflow step is one event (not one per replica) and denies its layer,
 also when only one replica's share of the batch overflows (found by replaying
 that replica's stash).
 
-`jit_compile=True` over several replicas in one process: a clear early error.
+`jit_compile=True` on one replica trains; over several replicas in one
+process: a clear early error.
 Keras compiles `strategy.run` over every replica as one XLA computation on one
 device, which cannot reach the other devices' variables: with plain Keras
 (no keras_amp_plus) the first step fails inside TensorFlow with "Trying to
@@ -75,6 +76,29 @@ def test_an_overflow_on_one_replica_is_one_event_and_denies_its_layer(tmp_path):
     assert [(c["epoch"], c["name"], c["to"]) for c in changes] == [(0, "hot", "deny")]
     # Denied after epoch 0: epoch 1 runs the same batches without an overflow.
     assert summary["events"][1] == 0
+
+
+def test_jit_compile_on_one_mirrored_replica_counts_and_denies(tmp_path):
+    # One replica per machine (one GPU) compiles with XLA in Keras; the
+    # optimizer's merge_call keeps the whole step, recording included, in XLA.
+    summary = run_on_two_cpus(
+        f"""
+        from conftest import overflow_model, train
+        from keras_amp_plus.callbacks import AMPMonitor
+        one_replica = tf.distribute.MirroredStrategy(["/cpu:0"])
+        with one_replica.scope():
+            model = overflow_model("mixed_float16", on_min_scale="ignore")
+            model.compile(model.optimizer, loss="mse", jit_compile=True)
+        monitor = AMPMonitor({str(tmp_path)!r}, read_every_steps=4, patience=50)
+        history = train(model, [monitor], epochs=2)
+        print(json.dumps({{"events": history.history["overflow_events"],
+                          "deny": list(monitor.lists.deny_layers),
+                          "jit": model.jit_compile}}))
+        """
+    )
+    assert summary["events"][0] == STEPS_PER_EPOCH
+    assert summary["deny"] == ["hot"]
+    assert summary["jit"] is True
 
 
 def test_jit_compile_over_two_local_replicas_raises_before_any_update():

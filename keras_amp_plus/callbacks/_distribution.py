@@ -95,6 +95,20 @@ def local_replicas(strategy) -> int:
     return len(strategy.extended.worker_devices)
 
 
+def allows_nested_xla_step(strategy) -> bool:
+    """Return True when the step may call a nested XLA function that trains.
+
+    Without a strategy or on one device. Under `MirroredStrategy` (even with
+    one replica) the optimizer updates its variables in a `merge_call`, which
+    TF refuses inside a nested `tf.function` ("merge_call called while
+    defining a new graph or a tf.function").
+    """
+    if isinstance(strategy, tf.distribute.OneDeviceStrategy):
+        return True
+    with strategy.scope():
+        return not tf.distribute.has_strategy()
+
+
 def jit_compile_problem(strategy) -> str | None:
     """Return why a `jit_compile=True` step cannot train here, or None.
 

@@ -21,7 +21,9 @@ the recording compiles with XLA. Under `jit_compile=True` the recorder builds
 recording in it with XLA itself; only the batch's stash runs in the graph
 around it (inside XLA a conditional copies the batch-sized buffers it may
 write on every step, taken or not). The model's `jit_compile` is left as the
-user set it, and validation and prediction stay compiled.
+user set it, and validation and prediction stay compiled. Where that split is
+not possible (Keras 2.15, `MirroredStrategy`) Keras compiles the whole step and
+the batch is kept with a select instead.
 
 The variables are created in the model's distribution strategy scope,
 synchronized on read with ONLY_FIRST_REPLICA aggregation, and the event
@@ -42,6 +44,7 @@ import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus._lists.layer_names import candidate_layers
+from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.optimizers import LossScaleOptimizer, _overflow_record
 from keras_amp_plus.optimizers._overflow_record import OverflowRecord
 
@@ -157,8 +160,7 @@ class StepRecorder:
         """
         model = self.model
         self._unwrap_previous(model)
-        # Decided after the unwrapping: the model's own setting.
-        self.compiles_model_step = model.jit_compile is True
+        self.compiles_model_step = self._can_compile_model_step()
         wrappers = {
             "compute_loss": self._wrap_compute_loss(model.compute_loss),
             "train_step": self._wrap_train_step(model.train_step),
@@ -170,6 +172,22 @@ class StepRecorder:
             wrapper._amp_monitor_original = self._saved_attributes[name]
             setattr(model, name, wrapper)
         self.installed = True
+
+    def _can_compile_model_step(self) -> bool:
+        """Return True when the recorder compiles the model's step with XLA itself.
+
+        Only under `jit_compile=True`, where `fit`'s step can be built without
+        XLA (Keras 3), and where the step may call a nested XLA function that
+        updates the optimizer (no strategy, or one device: under
+        `MirroredStrategy` TF refuses the optimizer's `merge_call` there).
+        Elsewhere Keras compiles the whole step, recording included.
+        """
+        model = self.model
+        return (
+            model.jit_compile is True
+            and _compat.CAN_BUILD_TRAIN_FUNCTION_WITHOUT_XLA
+            and distribution.allows_nested_xla_step(model.distribute_strategy)
+        )
 
     def _unwrap_previous(self, model) -> None:
         """Remember the model's own attributes, without any earlier wrapper."""
@@ -234,6 +252,8 @@ class StepRecorder:
         """Build `fit`'s step without XLA when `train_step` compiles it itself."""
 
         def make_train_function(force=False):
+            # Decided when the step is built: the model's setting of now.
+            self.compiles_model_step = self._can_compile_model_step()
             if not self.compiles_model_step:
                 return original_make_train_function(force=force)
             with _compat.train_function_built_without_xla(self.model):
@@ -288,6 +308,9 @@ class StepRecorder:
         this step's batch is to be kept for the replay (None when it was
         decided and done here), and its step number.
         """
+        # Inside XLA a conditional copies every variable its branch may write
+        # on every step, taken or not; a select reads and writes the batch once.
+        stash_by_select = leaves is not None and _compat.in_xla_compiled_function()
         # A custom `train_step` may compute its loss without `compute_loss`:
         # then the loss is not watched and every event's batch is kept.
         self.loss_watched = bool(losses)
@@ -298,7 +321,8 @@ class StepRecorder:
             skipped = self.optimizer.last_step_skipped > 0
             step = tf.cast(self.optimizer.total_steps, tf.int64)
             is_event = skipped
-            # Read in the event branch only: normal steps pay nothing for it.
+            # Read in the event branch only (in a graph step, normal steps
+            # pay nothing for it); inside XLA it fuses into the step.
             keep_fn = lambda: (  # noqa: E731
                 self._scaler_loss_not_finite() | self._at_trusted_scale()
             )
@@ -341,7 +365,7 @@ class StepRecorder:
                     loss_has_nan,
                 )
                 self.event_count.assign_add(1)
-            if leaves is not None:
+            if leaves is not None and not stash_by_select:
                 tf.cond(
                     keep_fn(),
                     lambda: self._stash(leaves, step),
@@ -350,9 +374,12 @@ class StepRecorder:
             return tf.constant(0)
 
         tf.cond(is_event, on_event, lambda: tf.constant(0))
-        if leaves is not None:
+        if leaves is not None and not stash_by_select:
             return None, step  # decided in the event branch
-        return is_event & keep_fn(), step
+        keep = is_event & keep_fn()
+        if stash_by_select:
+            self._stash_selected(leaves, step, keep)
+        return keep, step
 
     def _scaler_loss_not_finite(self):
         """Return True unless our scaler saw the skipped step's loss finite.
@@ -390,6 +417,13 @@ class StepRecorder:
             return tf.constant(0)
 
         return tf.cond(fits, write_stash, lambda: tf.constant(0))
+
+    def _stash_selected(self, leaves, step, keep):
+        """`_stash` as selects: the buffers take the batch where `keep` holds."""
+        keep &= self._batch_fits(leaves)
+        for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
+            buffer.write_where(keep, tensor)
+        self.stash_step.assign(tf.where(keep, step, self.stash_step))
 
     def _batch_fits(self, leaves):
         """Return a boolean tensor: True when every leaf fits in its buffer."""
@@ -539,6 +573,21 @@ class _StashBuffer:
         """Store `tensor` (call only when `fits(tensor)`)."""
         self.values.assign(self._padded(tensor))
         self.shape.assign(tf.shape(tensor, out_type=tf.int64))
+
+    def write_where(self, condition, tensor):
+        """Store `tensor` where the scalar `condition` holds, else keep the old.
+
+        `tensor` must fit unless `condition` is False.
+        """
+        if not self._fits_statically(tensor):
+            return  # a larger batch, known at trace time: never stored
+        self.values.assign(tf.where(condition, self._padded(tensor), self.values))
+        shape = tf.shape(tensor, out_type=tf.int64)
+        self.shape.assign(tf.where(condition, shape, self.shape))
+
+    def _fits_statically(self, tensor):
+        size = tensor.shape.num_elements()
+        return size is None or size <= self.size
 
     def _padded(self, tensor):
         """Return the flat tensor, then zeros up to the buffer's size."""

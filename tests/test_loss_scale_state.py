@@ -188,7 +188,14 @@ def test_defaults_behave_like_keras_scaler(compiled):
                 )
             )
         results.append(trace)
-    assert results[0] == results[1]
+    keras_trace, our_trace = results
+    # The state machine exactly; weights and slots to float32 rounding (in a
+    # compiled step ours updates them in one XLA computation).
+    assert [t[:3] for t in our_trace] == [t[:3] for t in keras_trace]
+    for ours, theirs in zip(our_trace, keras_trace, strict=True):
+        assert ours[3] == pytest.approx(theirs[3], rel=1e-6)
+        for our_slot, their_slot in zip(ours[4], theirs[4], strict=True):
+            np.testing.assert_allclose(our_slot, their_slot, rtol=1e-6)
     assert [t[0] for t in results[1]][:4] == [2.0**15, 2.0**14, 2.0**14, 2.0**15]
     assert results[1][-1][2] == len(grads) - 3  # three skipped steps
 

@@ -18,7 +18,11 @@ Three ways to run, like Keras's own scaler:
 import tensorflow as tf
 
 from keras_amp_plus import _compat
-from keras_amp_plus.optimizers import _overflow_records, _scale_schedule
+from keras_amp_plus.optimizers import (
+    _compiled_update,
+    _overflow_records,
+    _scale_schedule,
+)
 
 
 def _dense_values(gradient):
@@ -204,9 +208,19 @@ def _apply_in_replica_context(
     _finish_step(
         optimizer,
         flags,
-        lambda: apply_unscaled(optimizer, grads, trainable_variables),
+        lambda: _apply_unscaled_fused(optimizer, grads, trainable_variables),
         has_nan_fn,
         loss_state,
+    )
+
+
+def _apply_unscaled_fused(optimizer, grads, trainable_variables):
+    """`apply_unscaled`, compiled with XLA where it can be (see `_compiled_update`)."""
+    if not _compiled_update.can_compile_update():
+        apply_unscaled(optimizer, grads, trainable_variables)
+        return
+    optimizer._compiled_updates.run(
+        lambda g, v: apply_unscaled(optimizer, g, v), grads, trainable_variables
     )
 
 

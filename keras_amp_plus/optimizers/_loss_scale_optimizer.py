@@ -6,6 +6,7 @@ from keras_amp_plus import _compat
 from keras_amp_plus.optimizers import (
     _apply_step,
     _arguments,
+    _compiled_update,
     _overflow_records,
     _scale_schedule,
 )
@@ -134,6 +135,7 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
         self._min_scale_action_on_host = False
         self._min_scale_overflows_seen = 0
         self._loss_watch = _overflow_records.LossWatch()
+        self._compiled_updates = _compiled_update.CompiledUpdates()
 
     @classmethod
     def guard(

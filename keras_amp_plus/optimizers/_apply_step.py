@@ -216,7 +216,8 @@ def _apply_in_replica_context(
 
 def _apply_unscaled_fused(optimizer, grads, trainable_variables):
     """`apply_unscaled`, compiled with XLA where it can be (see `_compiled_update`)."""
-    if not _compiled_update.can_compile_update():
+    variables = trainable_variables or optimizer._tracked.variables
+    if not _compiled_update.can_compile_update(variables):
         apply_unscaled(optimizer, grads, trainable_variables)
         return
     optimizer._compiled_updates.run(

@@ -9,22 +9,35 @@ the same up to rounding.
 It applies only where a nested XLA function may update variables: in a graph
 step that XLA does not compile already, without a distribution strategy (TF
 refuses the optimizer's `merge_call` inside a nested function under
-`MirroredStrategy`), on Keras 3 (Keras 2's optimizers compile their own).
+`MirroredStrategy`), on Keras 3 (Keras 2's optimizers compile their own), and
+only to variables large enough to pay for launching an XLA computation
+(`benchmarks/fused_update.py` measures where that is).
 """
+
+import math
 
 import tensorflow as tf
 
 from keras_amp_plus import _compat
 
+# Below this many elements in all the updated variables together the fixed
+# cost of an XLA launch outweighs the passes it saves.
+MIN_ELEMENTS = 1 << 17
 
-def can_compile_update() -> bool:
-    """Return True when the update being traced may run as a nested XLA function."""
+
+def can_compile_update(variables) -> bool:
+    """Return True when updating `variables` may run as a nested XLA function."""
     return (
         _compat.IS_KERAS_3
         and tf.inside_function()
         and not tf.distribute.has_strategy()
         and not _compat.in_xla_compiled_function()
+        and _element_count(variables) >= MIN_ELEMENTS
     )
+
+
+def _element_count(variables) -> int:
+    return sum(math.prod(v.shape) for v in variables if None not in v.shape)
 
 
 class CompiledUpdates:

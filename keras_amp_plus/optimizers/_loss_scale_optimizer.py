@@ -35,6 +35,11 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
             scale = max(scale * backoff_factor, min_scale); overflows = 0
     ```
 
+    In a graph step without a distribution strategy, the inner optimizer's
+    update runs as one XLA computation (one fused loop per variable rather
+    than a kernel per element-wise op) once the variables are large enough to
+    pay for it; the values equal the inner optimizer's to float32 rounding.
+
     A skipped step leaves the weights and the inner optimizer's slots and
     `iterations` untouched. Unlike DeepSpeed/Megatron, whose hysteresis stays
     spent after the first backoff, the overflow count restarts after every

@@ -91,14 +91,30 @@ def test_jit_compile_on_one_mirrored_replica_counts_and_denies(tmp_path):
             model.compile(model.optimizer, loss="mse", jit_compile=True)
         monitor = AMPMonitor({str(tmp_path)!r}, read_every_steps=4, patience=50)
         history = train(model, [monitor], epochs=2)
+
+        # A second fit with the same monitor reuses the traced step.
+        traces = []
+        model_train_step = model.train_step
+
+        def counted_train_step(data):
+            traces.append(1)
+            return model_train_step(data)
+
+        model.train_step = counted_train_step
+        steady = AMPMonitor(adapt=False)
+        train(model, [steady], epochs=1)
+        first_traces = len(traces)
+        train(model, [steady], epochs=1)
         print(json.dumps({{"events": history.history["overflow_events"],
                           "deny": list(monitor.lists.deny_layers),
-                          "jit": model.jit_compile}}))
+                          "jit": model.jit_compile,
+                          "retraced": len(traces) > first_traces}}))
         """
     )
     assert summary["events"][0] == STEPS_PER_EPOCH
     assert summary["deny"] == ["hot"]
     assert summary["jit"] is True
+    assert summary["retraced"] is False
 
 
 def test_jit_compile_over_two_local_replicas_raises_before_any_update():

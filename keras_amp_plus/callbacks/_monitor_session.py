@@ -65,7 +65,8 @@ class StepCache:
             and self.recorder.capacity == capacity
             and self.recorder.exclude_skipped_steps == monitor.exclude_skipped_steps
             and self.recorder.trusted_backward_scale == monitor.trusted_backward_scale
-            and self.recorder.compiles_model_step == (model.jit_compile is True)
+            and self.recorder.compiles_model_step
+            == self.recorder.can_compile_model_step()
         )
 
 

@@ -160,7 +160,7 @@ class StepRecorder:
         """
         model = self.model
         self._unwrap_previous(model)
-        self.compiles_model_step = self._can_compile_model_step()
+        self.compiles_model_step = self.can_compile_model_step()
         wrappers = {
             "compute_loss": self._wrap_compute_loss(model.compute_loss),
             "train_step": self._wrap_train_step(model.train_step),
@@ -173,7 +173,7 @@ class StepRecorder:
             setattr(model, name, wrapper)
         self.installed = True
 
-    def _can_compile_model_step(self) -> bool:
+    def can_compile_model_step(self) -> bool:
         """Return True when the recorder compiles the model's step with XLA itself.
 
         Only under `jit_compile=True`, where `fit`'s step can be built without
@@ -253,7 +253,7 @@ class StepRecorder:
 
         def make_train_function(force=False):
             # Decided when the step is built: the model's setting of now.
-            self.compiles_model_step = self._can_compile_model_step()
+            self.compiles_model_step = self.can_compile_model_step()
             if not self.compiles_model_step:
                 return original_make_train_function(force=force)
             with _compat.train_function_built_without_xla(self.model):

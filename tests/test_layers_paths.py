@@ -103,10 +103,18 @@ def _path_taken(
     return taken[0]
 
 
-def test_inside_xla_keras_formula_below_dot_size(monkeypatch):
+def test_inside_xla_layer_norm_takes_the_kernels_where_measured_faster(monkeypatch):
+    # With AVX-512 the kernels beat XLA's fusion of the formula at every
+    # size; without it (not measured since the row sums became products)
+    # only from the dot size on.
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
-    assert _path_taken(True, 1000, monkeypatch) == _path_choice.KERAS_FORMULA
-    assert _path_taken(True, 128, monkeypatch) == _path_choice.FUSED_KERNELS
+    kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
+    monkeypatch.setattr(_path_choice, "cpu_has_avx512", lambda: True)
+    assert _path_taken(True, 1000, monkeypatch) == kernels
+    assert _path_taken(True, 128, monkeypatch) == kernels
+    monkeypatch.setattr(_path_choice, "cpu_has_avx512", lambda: False)
+    assert _path_taken(True, 1000, monkeypatch) == formula
+    assert _path_taken(True, 128, monkeypatch) == kernels
 
 
 def test_inside_xla_instance_norm_always_keras_formula(monkeypatch):
@@ -149,8 +157,8 @@ def test_graph_step_follows_the_measured_winner(monkeypatch):
     assert _path_taken(False, 1000, monkeypatch, False, "bfloat16") == kernels
     # Nothing measured for float32 instance norm: the rule.
     assert _path_taken(False, 1000, monkeypatch, False, "float32") == formula
-    # Inside XLA the measurement (of graph steps) does not apply.
-    assert _path_taken(True, 1000, monkeypatch, True, "bfloat16") == formula
+    # Inside XLA the measurement (of graph steps) does not apply: the rule.
+    assert _path_taken(True, 1000, monkeypatch, True, "bfloat16") == kernels
 
 
 def test_measurements_far_from_the_size_do_not_apply(monkeypatch):
@@ -182,6 +190,20 @@ def test_measure_paths_caches_winners_per_machine(monkeypatch):
         assert cell["path"] == expected
         found = _path_calibration.measured_path(128, cell["trailing"], "bfloat16")
         assert found == cell["path"]
+
+
+def test_measurements_of_earlier_implementations_are_not_reused(monkeypatch):
+    # Winners cached before a raced implementation changed would keep
+    # choosing by the old code: the revision is part of the cache's name.
+    _write_measurements([_cell(True, "float32", 128, _path_choice.KERAS_FORMULA)])
+    assert _path_calibration.measured_path(128, True, "float32") is not None
+    _path_calibration._machine_digest.cache_clear()
+    revision = _path_calibration.PATHS_REVISION + 1
+    monkeypatch.setattr(_path_calibration, "PATHS_REVISION", revision)
+    try:
+        assert _path_calibration.measured_path(128, True, "float32") is None
+    finally:
+        _path_calibration._machine_digest.cache_clear()
 
 
 def test_measure_paths_refuses_to_run_inside_a_trace():

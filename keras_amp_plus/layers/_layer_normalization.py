@@ -27,9 +27,9 @@ class LayerNormalization(keras.layers.LayerNormalization):
       which turns Keras's own statistics ops into bfloat16;
     - forward and backward each run as one XLA-fused kernel, and the backward
       pass keeps only the input and two statistics per row alive, wherever
-      that is faster than Keras's formula on this CPU; elsewhere (smaller
-      tensors inside a `jit_compile=True` step, or on CPUs without AVX-512)
-      the layer runs Keras's formula, statistics still float32; XLA compiles
+      that is faster than Keras's formula on this CPU (also inside a
+      `jit_compile=True` step); elsewhere (smaller tensors on CPUs without
+      AVX-512) the layer runs Keras's formula, statistics still float32; XLA compiles
       a kernel per input shape, so inputs whose length changes from batch to
       batch (`keras.Input((None, features))`) are padded to one of two row
       counts per power of two, bounding the compilations over a whole `fit`

@@ -9,7 +9,8 @@ of statistics (trailing axes: layer norm; middle axes: instance norm) and
 input precision, forward + backward, interleaved, medians of process CPU
 time, and writes the winners to a JSON file in
 `keras_amp_plus._hardware.cache_dir()` named after the CPU model, its
-features, the TensorFlow version and the oneDNN switch.
+features, the TensorFlow version, the oneDNN switch and the revision of the
+raced implementations.
 `measured_path` reads them back for `_path_choice`.
 
 Measuring takes seconds and compiles kernels, so it never runs inside a
@@ -45,13 +46,21 @@ DTYPES = ("bfloat16", "float32")
 WIN_MARGIN = 0.85
 # A measurement stands for inputs up to this many octaves of elements away.
 NEAREST_OCTAVES = 2.0
+# Part of the cache key: raise it whenever a raced implementation changes, so
+# that winners measured on the earlier code are measured again, not reused.
+PATHS_REVISION = 2
 
 
 @functools.cache
 def _machine_digest() -> str:
-    """Hash of the CPU model and features, TensorFlow version, oneDNN state."""
+    """Hash of CPU model and features, TensorFlow, oneDNN, paths' revision."""
     key = json.dumps(
-        [_hardware.cpu_facts(), tf.__version__, _compat.onednn_enabled()],
+        [
+            _hardware.cpu_facts(),
+            tf.__version__,
+            _compat.onednn_enabled(),
+            PATHS_REVISION,
+        ],
         sort_keys=True,
     )
     return hashlib.sha256(key.encode()).hexdigest()[:16]

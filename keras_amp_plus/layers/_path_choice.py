@@ -9,16 +9,18 @@ of machine:
 
 - In a step XLA compiles whole (`jit_compile=True`), XLA fuses Keras's
   formula with its neighbours, and the kernels' functions are only inlined
-  into the model's cluster: they win there only for statistics over trailing
-  axes (layer norm) whose sums run as matrix products (from
-  `DOT_SUM_MIN_ELEMENTS` on). Everywhere else inside XLA, Keras's formula.
+  into the model's cluster. For statistics over trailing axes (layer norm)
+  the kernels still win there, their sums being matrix products: on CPUs
+  with AVX-512 at every size, elsewhere from `DOT_SUM_MIN_ELEMENTS` on. For
+  statistics over middle axes (instance norm), Keras's formula.
 - In a graph step (no XLA around), from `DOT_SUM_MIN_ELEMENTS` on the
   kernels win on every CPU measured. Below it the race is close and differs
   between CPUs: where `_path_calibration` measured it on this CPU model and
   TensorFlow version (the doctor runs it), the measured winner; otherwise
   a rule. For statistics over trailing axes (layer norm): the kernels on
-  CPUs with AVX-512, Keras's formula on CPUs without, where the kernels were
-  slower (`benchmarks/layers.py` measures both). For statistics over middle
+  CPUs with AVX-512, Keras's formula on CPUs without (an AMD EPYC measured
+  the kernels slower there while their row sums were XLA reductions; the
+  doctor's measurement decides on such CPUs). For statistics over middle
   axes (instance norm, channels last), XLA's reductions are slower than
   TensorFlow's, and TensorFlow's fused batch-norm kernel
   (`_batch_norm_formula`) wins from `BATCH_NORM_MIN_ELEMENTS` on; below,
@@ -51,9 +53,10 @@ _PATHS = (FUSED_KERNELS, KERAS_FORMULA, BATCH_NORM)
 BATCH_NORM_MIN_ELEMENTS = {"half": 2**18, "float32": 2**21}
 PATH_VARIABLE = "KERAS_AMP_PLUS_NORMALIZATION_PATH"
 
-# Below this many elements XLA's CPU backend emits a (rows, n) x (n, 1) dot as
-# a single-threaded loop, slower than a plain reduction; from it on a dot is
-# one call into a vectorized GEMM (see `benchmarks/results/layers_*.json`).
+# From this many elements on, sums over leading or middle axes are matrix
+# products too (one call into a vectorized GEMM instead of XLA's reduction
+# loops), and the kernels win on every CPU measured, also without AVX-512
+# (see `benchmarks/results/layers_*.json`).
 DOT_SUM_MIN_ELEMENTS = 2**22
 
 # TensorFlow's graph rewrites that would paint the formula's statistics.
@@ -124,7 +127,7 @@ def normalization_path(
         return forced
     large = elements is not None and elements >= DOT_SUM_MIN_ELEMENTS
     if in_xla:
-        if trailing_statistics and (elements is None or large):
+        if trailing_statistics and (elements is None or large or cpu_has_avx512()):
             return FUSED_KERNELS
         return KERAS_FORMULA
     if elements is None or large:

@@ -161,6 +161,28 @@ def test_graph_step_follows_the_measured_winner(monkeypatch):
     assert _path_taken(True, 1000, monkeypatch, True, "bfloat16") == kernels
 
 
+def test_large_instance_norm_follows_the_measured_winner(monkeypatch):
+    # From the dot size on, layer norm always takes the kernels, while for
+    # instance norm the measurement decides (TensorFlow's batch-norm kernel
+    # beat the kernels there for bfloat16 and float32 on an Intel Xeon).
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    kernels, bn = _path_choice.FUSED_KERNELS, _path_choice.BATCH_NORM
+    _write_measurements(
+        [
+            _cell(False, "bfloat16", 128, bn),
+            _cell(True, "bfloat16", 128, _path_choice.KERAS_FORMULA),
+        ]
+    )
+    large = 64  # the (8, 16) input is at the dot size or above
+    assert _path_taken(False, large, monkeypatch, False, "bfloat16", True) == bn
+    assert _path_taken(False, large, monkeypatch, False, "float16", True) == bn
+    assert _path_taken(False, large, monkeypatch, True, "bfloat16") == kernels
+    # Where the batch-norm kernel cannot run, or nothing was measured: the
+    # kernels.
+    assert _path_taken(False, large, monkeypatch, False, "bfloat16") == kernels
+    assert _path_taken(False, large, monkeypatch, False, "float32", True) == kernels
+
+
 def test_measurements_far_from_the_size_do_not_apply(monkeypatch):
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
     monkeypatch.setattr(_path_choice, "cpu_has_avx512", lambda: True)

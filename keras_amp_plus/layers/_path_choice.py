@@ -13,18 +13,19 @@ of machine:
   the kernels still win there, their sums being matrix products: on CPUs
   with AVX-512 at every size, elsewhere from `DOT_SUM_MIN_ELEMENTS` on. For
   statistics over middle axes (instance norm), Keras's formula.
-- In a graph step (no XLA around), from `DOT_SUM_MIN_ELEMENTS` on the
-  kernels win on every CPU measured. Below it the race is close and differs
-  between CPUs: where `_path_calibration` measured it on this CPU model and
-  TensorFlow version (the doctor runs it), the measured winner; otherwise
-  a rule. For statistics over trailing axes (layer norm): the kernels on
-  CPUs with AVX-512, Keras's formula on CPUs without (an AMD EPYC measured
-  the kernels slower there while their row sums were XLA reductions; the
-  doctor's measurement decides on such CPUs). For statistics over middle
-  axes (instance norm, channels last), XLA's reductions are slower than
-  TensorFlow's, and TensorFlow's fused batch-norm kernel
-  (`_batch_norm_formula`) wins from `BATCH_NORM_MIN_ELEMENTS` on; below,
-  Keras's formula.
+- In a graph step (no XLA around), for statistics over trailing axes from
+  `DOT_SUM_MIN_ELEMENTS` on, the kernels, which won on every CPU measured.
+  Elsewhere the race is close and differs between CPUs and dtypes: where
+  `_path_calibration` measured it on this CPU model and TensorFlow version
+  (the doctor runs it), the measured winner. Otherwise a rule: from
+  `DOT_SUM_MIN_ELEMENTS` on, the kernels; below it, for statistics over
+  trailing axes (layer norm), the kernels on CPUs with AVX-512 and Keras's
+  formula on CPUs without (an AMD EPYC measured the kernels slower there
+  while their row sums were XLA reductions); for statistics over middle
+  axes (instance norm, channels last), where XLA's reductions are slower
+  than TensorFlow's, TensorFlow's fused batch-norm kernel
+  (`_batch_norm_formula`) from `BATCH_NORM_MIN_ELEMENTS` on and Keras's
+  formula below.
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
   leaves XLA-compiled functions alone.
@@ -130,7 +131,7 @@ def normalization_path(
         if trailing_statistics and (elements is None or large or cpu_has_avx512()):
             return FUSED_KERNELS
         return KERAS_FORMULA
-    if elements is None or large:
+    if elements is None or (large and trailing_statistics):
         return FUSED_KERNELS
     if tf.executing_eagerly() or graph_rewrite_on():
         return FUSED_KERNELS
@@ -139,7 +140,7 @@ def normalization_path(
         measured = None
     if measured is not None:
         return measured
-    if trailing_statistics and cpu_has_avx512():
+    if large or (trailing_statistics and cpu_has_avx512()):
         return FUSED_KERNELS
     width = "float32" if tf.as_dtype(dtype).size >= 4 else "half"
     if batch_norm_applies and elements >= BATCH_NORM_MIN_ELEMENTS[width]:

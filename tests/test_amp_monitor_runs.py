@@ -19,6 +19,7 @@ from conftest import (
     train,
 )
 
+from keras_amp_plus import PrecisionLists
 from keras_amp_plus.callbacks import AMPMonitor
 from keras_amp_plus.callbacks._adaptation import AdaptationRule
 from keras_amp_plus.optimizers import LossScaleOptimizer
@@ -246,3 +247,24 @@ def test_repeated_fits_reuse_the_traced_step():
     model.compile("sgd", "mse")
     model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
     assert CountingModel.traces > after_first
+
+
+def test_repeated_fits_with_lists_reuse_the_traced_step():
+    # Each `fit` starts by applying the monitor's lists; applied again
+    # unchanged, they must not force a new trace (seconds on a large model).
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, name="hidden", dtype="mixed_bfloat16")(inputs)
+    model = CountingModel(inputs, keras.layers.Dense(1, name="head")(hidden))
+    model.compile("sgd", "mse")
+    lists = PrecisionLists(deny_layers=["hidden"])
+    monitor = AMPMonitor(lists=lists, engine="keras")
+    x, y = np.ones((32, 4)), np.ones((32, 1))
+    CountingModel.traces = 0
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    assert model.get_layer("hidden").dtype_policy.name == "float32"
+    after_first = CountingModel.traces
+    for _ in range(2):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    assert after_first >= 1
+    assert CountingModel.traces == after_first

@@ -83,6 +83,22 @@ def test_apply_rebuilds_the_functions_and_fit_still_trains(policy):
     assert model.predict(x, verbose=0).dtype == np.float32
 
 
+def test_applying_the_same_lists_again_keeps_the_traced_functions():
+    model = _model("mixed_bfloat16")
+    x, y = _data()
+    lists = PrecisionLists(deny_layers=("ln", "head"))
+    engine = KerasEngine()
+    engine.apply(model, lists)
+    model.fit(x, y, epochs=1, verbose=0)
+    traced = model.train_function
+    engine.apply(model, lists)  # as each `fit` with the monitor starts
+    KerasEngine().apply(model, lists)  # a new engine object: same policies
+    assert model.train_function is traced
+    engine.apply(model, PrecisionLists(deny_layers=("ln",)))  # head: mixed again
+    assert model.train_function is not traced
+    assert model.get_layer("head").dtype_policy.name == "mixed_bfloat16"
+
+
 def test_denied_dense_matches_a_float64_reference():
     keras.config.set_dtype_policy("mixed_bfloat16")
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, name="d")])

@@ -76,7 +76,7 @@ class KerasEngine(Engine):
         return _compat.dtype_policy(DEFAULT_MIXED_POLICY)
 
     def apply(self, model: keras.Model, lists: PrecisionLists) -> None:
-        """Set every listed layer's dtype policy, then rebuild the functions.
+        """Set every listed layer's dtype policy; rebuild the functions if any changed.
 
         Args:
             model: the Keras model the lists refer to.
@@ -88,18 +88,24 @@ class KerasEngine(Engine):
         )
         mixed = self.mixed_policy(model)
         float32 = _compat.dtype_policy("float32")
+        changed = False
         for layer in layer_names.candidate_layers(model):
             if id(layer) in decisions:
                 _, kind = decisions[id(layer)]
                 self._original_policies.setdefault(
                     id(layer), (layer, layer.dtype_policy)
                 )
-                self._set_policy(layer, float32 if kind == "deny" else mixed)
+                policy = float32 if kind == "deny" else mixed
+                changed |= self._set_policy(layer, policy)
             elif id(layer) in self._original_policies:
                 _, original = self._original_policies.pop(id(layer))
-                self._set_policy(layer, original)
+                changed |= self._set_policy(layer, original)
         remember_engine(model, self)
-        rebuild_functions(model)
+        # Lists applied again unchanged (each `fit` starts by applying them)
+        # leave the traced functions valid: tracing again costs seconds, and
+        # an XLA compilation more, on a large model.
+        if changed:
+            rebuild_functions(model)
 
     def check_lists(self, lists: PrecisionLists) -> None:
         """Raise when `lists` holds op types: they need a graph engine.
@@ -116,9 +122,12 @@ class KerasEngine(Engine):
             )
 
     @staticmethod
-    def _set_policy(layer, policy) -> None:
-        if layer.dtype_policy.name != policy.name:
-            _compat.set_layer_policy(layer, policy)
+    def _set_policy(layer, policy) -> bool:
+        """Give `layer` `policy`; return True when its policy changed."""
+        if layer.dtype_policy.name == policy.name:
+            return False
+        _compat.set_layer_policy(layer, policy)
+        return True
 
 
 def layer_precisions(model: keras.Model) -> list:

@@ -17,9 +17,10 @@ class InstanceNormalization(keras.layers.Layer):
     Normalizes each channel of each sample over all its other non-batch axes
     (height and width for images), then applies a per-channel `gamma` and
     `beta`. In float32 it equals `keras.layers.GroupNormalization(groups=-1)`.
-    Statistics are computed in float32 under every policy, and forward and
-    backward each run as one XLA-fused kernel (or, where that is not faster
-    on this CPU, as Keras's formula does; see `LayerNormalization`);
+    Statistics are computed in float32 under every policy, by whichever
+    implementation is fastest at the input's shape on this CPU: XLA-fused
+    forward and backward kernels, TensorFlow's fused batch-norm kernel (in
+    graph steps) or Keras's formula (see `LayerNormalization`).
     `gamma`/`beta` stay float32
     under mixed policies and the output has the layer's compute dtype. XLA
     compiles a kernel per input shape: a model fed images of many different

@@ -77,6 +77,39 @@ def test_each_path_matches_float64_in_graph_and_xla(
         check_normalization(inorm, shape, mean, policy, (1, 2), params)
 
 
+class _UnknownShapeStep(_StepWrapped):
+    """The layer in a graph step traced for inputs of unknown size."""
+
+    def __init__(self, layer, shape):
+        self.inner = layer
+        unknown = [None] * (len(shape) - 1) + [shape[-1]]  # channels are known
+        spec = tf.TensorSpec(unknown, layer.compute_dtype)
+        self.call_in_step = tf.function(lambda x: layer(x), input_signature=[spec])
+
+
+@pytest.mark.parametrize("policy_name", POLICIES)
+@pytest.mark.parametrize(
+    "shape", ((3, 40, 6), (2, 5, 6, 8), (2, 3, 4, 5, 6)), ids=("1d", "2d", "3d")
+)
+def test_instance_norm_kernels_on_channel_rows_match_float64(
+    shape, policy_name, monkeypatch
+):
+    # The kernels normalize instance norm's channels as rows of the
+    # transposed input: any rank, and sizes known only at run time.
+    monkeypatch.setenv(_path_choice.PATH_VARIABLE, _path_choice.FUSED_KERNELS)
+    policy = use_policy(policy_name)
+    rank = len(shape)
+    stat_axes = tuple(range(1, rank - 1))
+    params = (1,) * (rank - 1) + (shape[-1],)
+    for mean in (0.0, _FAR_MEAN[_path_choice.FUSED_KERNELS]):
+        for layer in (
+            _StepWrapped(layers.InstanceNormalization(), jit_compile=False),
+            _StepWrapped(layers.InstanceNormalization(), jit_compile=True),
+            _UnknownShapeStep(layers.InstanceNormalization(), shape),
+        ):
+            check_normalization(layer, shape, mean, policy, stat_axes, params)
+
+
 def _path_taken(
     jit_compile,
     elements_threshold,

@@ -5,8 +5,9 @@ no fused layer-norm kernel; Keras's layers chain a dozen elementwise ops and
 reductions, each a pass over memory. Here the forward and the backward pass are
 each one `tf.function(jit_compile=True)`, which XLA fuses into a few loops, tied
 together by a `tf.custom_gradient` that keeps only the input (in its own, low
-precision dtype) and the per-row mean and inverse standard deviation for the
-backward pass instead of a float32 copy of the normalized input.
+precision dtype) and three numbers per row (a shift, the mean and the inverse
+standard deviation) for the backward pass instead of a float32 copy of the
+normalized input.
 
 Why XLA also fixes graph-level AMP: grappler's `auto_mixed_precision_onednn_bfloat16`
 rewrite paints Keras's `Mean`/`SquaredDifference`/`Rsqrt` bfloat16, but it skips
@@ -17,7 +18,8 @@ column, which XLA runs as one call into a vectorized GEMM instead of its slow
 row-reduction loop; other sums are reductions, or products from
 `_path_choice.DOT_SUM_MIN_ELEMENTS` on (see `_sum_over_axes`).
 One-pass statistics (E[x^2] - E[x]^2) fail on N(1000, 1) inputs, so the mean is
-subtracted before the variance is taken. Where these kernels do not beat
+subtracted before the variance is taken, and both are taken of the input minus
+each row's first element (see `_normalize_forward`). Where these kernels do not beat
 Keras's layers, `fused_normalize` runs Keras's formula instead
 (`_path_choice` decides; `benchmarks/layers.py` measures both).
 """
@@ -26,6 +28,7 @@ import tensorflow as tf
 
 from keras_amp_plus.layers import (
     _batch_norm_formula,
+    _channel_rows,
     _keras_formula,
     _path_choice,
     _row_buckets,
@@ -85,27 +88,49 @@ def _mean_over_axes(t, axes):
     return _sum_over_axes(t, axes) / tf.cast(_count(t, axes), t.dtype)
 
 
+def _first_along(t, axes):
+    """Return the first element of `t` along each of `axes` (keepdims)."""
+    size = [1 if axis in axes else -1 for axis in range(t.shape.rank)]
+    return tf.slice(t, [0] * t.shape.rank, size)
+
+
 @tf.function(jit_compile=True)
 def _normalize_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
-    """Return (outputs, mean, inverse_stddev); statistics in float32 or wider."""
+    """Return (outputs, shift, shifted_mean, inverse_stddev), float32 or wider.
+
+    The statistics are those of `x - shift`, `shift` being each row's first
+    element: its sums then stay near the spread of the row, not its offset,
+    so the mean of inputs far from zero is exact to the rounding of their
+    spread (a constant row of 1000s centers to exact zeros, which a mean off
+    by one float32 rounding, times `1 / sqrt(epsilon)`, would not).
+    """
     x_wide = tf.cast(x, gamma.dtype)
-    mean = _mean_over_axes(x_wide, stat_axes)
-    centered = x_wide - mean
+    shift = _first_along(x_wide, stat_axes)
+    shifted = x_wide - shift
+    shifted_mean = _mean_over_axes(shifted, stat_axes)
+    centered = shifted - shifted_mean
     variance = _mean_over_axes(tf.square(centered), stat_axes)
     inverse_stddev = tf.math.rsqrt(variance + epsilon)
     outputs = centered * (inverse_stddev * gamma) + beta
-    return tf.cast(outputs, output_dtype), mean, inverse_stddev
+    return tf.cast(outputs, output_dtype), shift, shifted_mean, inverse_stddev
 
 
 @tf.function(jit_compile=True)
 def _normalize_backward(
-    upstream, x, mean, inverse_stddev, gamma, stat_axes, param_reduce_axes
+    upstream,
+    x,
+    shift,
+    shifted_mean,
+    inverse_stddev,
+    gamma,
+    stat_axes,
+    param_reduce_axes,
 ):
     """Return the gradients w.r.t. (x, gamma, beta) of `_normalize_forward`."""
     upstream_wide = tf.cast(upstream, gamma.dtype)
     # Recomputing the normalized input from x costs one fused multiply-add per
     # element and saves keeping a float32 copy of it alive between the passes.
-    normalized = (tf.cast(x, gamma.dtype) - mean) * inverse_stddev
+    normalized = (tf.cast(x, gamma.dtype) - shift - shifted_mean) * inverse_stddev
     upstream_normalized = upstream_wide * normalized
     if set(stat_axes) <= set(param_reduce_axes):
         # gamma is constant over the statistics' axes (instance norm): it
@@ -156,11 +181,6 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     stat_axes = tuple(stat_axes)
     output_dtype = tf.as_dtype(output_dtype)
 
-    def normalize(x, gamma, beta, stat_axes):
-        return _normalize_with_gradient(
-            x, gamma, beta, epsilon, stat_axes, output_dtype
-        )
-
     trailing = stat_axes == tuple(range(x.shape.rank - len(stat_axes), x.shape.rank))
     batch_norm_applies = _batch_norm_formula.applies(x, gamma, epsilon, stat_axes)
     path = _path_choice.normalization_path(
@@ -174,6 +194,26 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
         return _keras_formula.keras_formula_normalize(
             x, gamma, beta, epsilon, stat_axes, output_dtype
         )
+    return kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype)
+
+
+def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
+    """`fused_normalize` by the fused kernels (the path `_path_calibration` races).
+
+    Instance norm's channels run as rows (`_channel_rows`), variable-length
+    inputs in padded row buckets (`_row_buckets`), anything else as it comes.
+    """
+    stat_axes = tuple(stat_axes)
+    output_dtype = tf.as_dtype(output_dtype)
+
+    def normalize(x, gamma, beta, stat_axes):
+        return _normalize_with_gradient(
+            x, gamma, beta, epsilon, stat_axes, output_dtype
+        )
+
+    # Instance norm: the kernels' row sums beat their sums over middle axes.
+    if _channel_rows.applies(x, gamma, stat_axes):
+        return _channel_rows.normalize_as_rows(normalize, x, gamma, beta)
     # Variable-length inputs would compile new XLA kernels at every new shape.
     if _row_buckets.applies(x, gamma, stat_axes):
         return _row_buckets.normalize_in_row_buckets(
@@ -190,13 +230,20 @@ def _normalize_with_gradient(x, gamma, beta, epsilon, stat_axes, output_dtype):
 
     @tf.custom_gradient
     def normalize(x, gamma, beta):
-        outputs, mean, inverse_stddev = _normalize_forward(
+        outputs, shift, shifted_mean, inverse_stddev = _normalize_forward(
             x, gamma, beta, epsilon, stat_axes, output_dtype
         )
 
         def grad(upstream):
             return _normalize_backward(
-                upstream, x, mean, inverse_stddev, gamma, stat_axes, param_reduce_axes
+                upstream,
+                x,
+                shift,
+                shifted_mean,
+                inverse_stddev,
+                gamma,
+                stat_axes,
+                param_reduce_axes,
             )
 
         return outputs, grad

@@ -26,7 +26,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
       TensorFlow's graph-level `auto_mixed_precision_onednn_bfloat16` rewrite,
       which turns Keras's own statistics ops into bfloat16;
     - forward and backward each run as one XLA-fused kernel, and the backward
-      pass keeps only the input and two statistics per row alive, wherever
+      pass keeps only the input and three numbers per row alive, wherever
       that is faster than Keras's formula on this CPU (also inside a
       `jit_compile=True` step); elsewhere (smaller tensors on CPUs without
       AVX-512) the layer runs Keras's formula, statistics still float32; XLA compiles

@@ -1,7 +1,7 @@
 """What the backward pass keeps from the forward pass, read off the graph.
 
 The memory-saving gradients keep only the layer's input (plus, for the
-normalizations, two statistics per normalized slice): no sigmoid, no
+normalizations, three numbers per normalized slice): no sigmoid, no
 normalized copy, no float32 copy of the input.
 """
 
@@ -60,15 +60,24 @@ def test_normalization_backward_keeps_input_and_statistics(name, policy):
     graph, calls = _kernel_calls(getattr(layers, name)(), compute)
     forward, backward = calls["forward"], calls["backward"]
     x = graph.inputs[0]
+    kernel_input = forward.inputs[0]
+    if name == "LayerNormalization":
+        assert kernel_input is x
+    else:  # instance norm's channels as rows: x transposed, not a float32 copy
+        assert kernel_input.op.type == "Reshape"
+        assert kernel_input.op.inputs[0].op.type == "Transpose"
+        assert kernel_input.op.inputs[0].op.inputs[0] is x
     # Full-size tensors read by the backward kernel: the upstream gradient and
-    # the layer's own input, in the compute dtype; the rest is per-slice
+    # the kernels' input, in the compute dtype; the rest is per-slice
     # statistics (shape 1 along the normalized axes) and the weights.
-    full_size = [t for t in backward.inputs if t.shape.as_list()[1:] == [6, 8]]
+    size = kernel_input.shape.as_list()[1:]
+    full_size = [t for t in backward.inputs if t.shape.as_list()[1:] == size]
     statistics = [t for t in backward.inputs if t.op is forward]
-    assert any(t is x for t in backward.inputs)
+    assert any(t is kernel_input for t in backward.inputs)
     assert all(t.dtype == compute for t in full_size)
-    assert [t is x for t in full_size].count(True) == 1 and len(full_size) == 2
-    assert len(statistics) == 2  # mean and inverse standard deviation
+    assert [t is kernel_input for t in full_size].count(True) == 1
+    assert len(full_size) == 2
+    assert len(statistics) == 3  # shift, mean and inverse standard deviation
     for statistic in statistics:
         assert statistic.dtype == "float32"
         assert 1 in statistic.shape.as_list()[1:]

@@ -60,9 +60,9 @@ def _sum_over_axes(t, axes):
         # A (summed, 1) column, not a transposed (1, summed) row: XLA emitted
         # the transposed product as a loop 3-8x slower at some shapes.
         sums = tf.linalg.matmul(blocks, tf.ones(tf.stack([summed, 1]), t.dtype))
-    else:  # a middle block: a ones row times each (summed, trailing) matrix
-        trailing = tf.reduce_prod(dims[axes[-1] + 1 :])
-        blocks = tf.reshape(t, tf.stack([-1, summed, trailing]))
+    else:  # a middle block: a ones row times each (summed, inner) matrix
+        inner = tf.reduce_prod(dims[axes[-1] + 1 :])
+        blocks = tf.reshape(t, tf.stack([-1, summed, inner]))
         ones = tf.ones(tf.stack([1, summed]), t.dtype)
         # The size is a constant to XLA, which keeps only the branch taken.
         sums = tf.cond(
@@ -96,13 +96,14 @@ def _first_along(t, axes):
 
 @tf.function(jit_compile=True)
 def _normalize_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
-    """Return (outputs, shift, shifted_mean, inverse_stddev), float32 or wider.
+    """Return (outputs, statistics), statistics in float32 or wider.
 
-    The statistics are those of `x - shift`, `shift` being each row's first
-    element: its sums then stay near the spread of the row, not its offset,
-    so the mean of inputs far from zero is exact to the rounding of their
-    spread (a constant row of 1000s centers to exact zeros, which a mean off
-    by one float32 rounding, times `1 / sqrt(epsilon)`, would not).
+    `statistics` is `(shift, shifted_mean, inverse_stddev)`, taken of
+    `x - shift`, `shift` being each row's first element: its sums then stay
+    near the spread of the row, not its offset, so the mean of inputs far
+    from zero is exact to the rounding of their spread (a constant row of
+    1000s centers to exact zeros, which a mean off by one float32 rounding,
+    times `1 / sqrt(epsilon)`, would not).
     """
     x_wide = tf.cast(x, gamma.dtype)
     shift = _first_along(x_wide, stat_axes)
@@ -112,21 +113,14 @@ def _normalize_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     variance = _mean_over_axes(tf.square(centered), stat_axes)
     inverse_stddev = tf.math.rsqrt(variance + epsilon)
     outputs = centered * (inverse_stddev * gamma) + beta
-    return tf.cast(outputs, output_dtype), shift, shifted_mean, inverse_stddev
+    statistics = (shift, shifted_mean, inverse_stddev)
+    return tf.cast(outputs, output_dtype), statistics
 
 
 @tf.function(jit_compile=True)
-def _normalize_backward(
-    upstream,
-    x,
-    shift,
-    shifted_mean,
-    inverse_stddev,
-    gamma,
-    stat_axes,
-    param_reduce_axes,
-):
+def _normalize_backward(upstream, x, statistics, gamma, stat_axes, param_reduce_axes):
     """Return the gradients w.r.t. (x, gamma, beta) of `_normalize_forward`."""
+    shift, shifted_mean, inverse_stddev = statistics
     upstream_wide = tf.cast(upstream, gamma.dtype)
     # Recomputing the normalized input from x costs one fused multiply-add per
     # element and saves keeping a float32 copy of it alive between the passes.
@@ -230,20 +224,13 @@ def _normalize_with_gradient(x, gamma, beta, epsilon, stat_axes, output_dtype):
 
     @tf.custom_gradient
     def normalize(x, gamma, beta):
-        outputs, shift, shifted_mean, inverse_stddev = _normalize_forward(
+        outputs, statistics = _normalize_forward(
             x, gamma, beta, epsilon, stat_axes, output_dtype
         )
 
         def grad(upstream):
             return _normalize_backward(
-                upstream,
-                x,
-                shift,
-                shifted_mean,
-                inverse_stddev,
-                gamma,
-                stat_axes,
-                param_reduce_axes,
+                upstream, x, statistics, gamma, stat_axes, param_reduce_axes
             )
 
         return outputs, grad

@@ -22,8 +22,7 @@ of machine:
   trailing axes (layer norm), the kernels on CPUs with AVX-512 and Keras's
   formula on CPUs without (an AMD EPYC measured the kernels slower there
   while their row sums were XLA reductions); for statistics over middle
-  axes (instance norm, channels last), where XLA's reductions are slower
-  than TensorFlow's, TensorFlow's fused batch-norm kernel
+  axes (instance norm, channels last), TensorFlow's fused batch-norm kernel
   (`_batch_norm_formula`) from `BATCH_NORM_MIN_ELEMENTS` on and Keras's
   formula below.
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
@@ -54,10 +53,10 @@ _PATHS = (FUSED_KERNELS, KERAS_FORMULA, BATCH_NORM)
 BATCH_NORM_MIN_ELEMENTS = {"half": 2**18, "float32": 2**21}
 PATH_VARIABLE = "KERAS_AMP_PLUS_NORMALIZATION_PATH"
 
-# From this many elements on, sums over leading or middle axes are matrix
+# From this many elements on, the kernels' sums over middle axes are matrix
 # products too (one call into a vectorized GEMM instead of XLA's reduction
-# loops), and the kernels win on every CPU measured, also without AVX-512
-# (see `benchmarks/results/layers_*.json`).
+# loops), and layer norm's kernels win on every CPU measured, also without
+# AVX-512 (see `benchmarks/results/layers_*.json`).
 DOT_SUM_MIN_ELEMENTS = 2**22
 
 # TensorFlow's graph rewrites that would paint the formula's statistics.

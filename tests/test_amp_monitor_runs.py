@@ -8,6 +8,7 @@ fine on normal inputs, and one batch per epoch holds inputs 1e4 times larger.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import (
     BATCH,
     STEPS_PER_EPOCH,
@@ -19,7 +20,7 @@ from conftest import (
     train,
 )
 
-from keras_amp_plus import PrecisionLists
+from keras_amp_plus import PrecisionLists, precision_report
 from keras_amp_plus.callbacks import AMPMonitor
 from keras_amp_plus.callbacks._adaptation import AdaptationRule
 from keras_amp_plus.optimizers import LossScaleOptimizer
@@ -268,3 +269,28 @@ def test_repeated_fits_with_lists_reuse_the_traced_step():
         model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
     assert after_first >= 1
     assert CountingModel.traces == after_first
+
+
+@pytest.mark.onednn  # the grappler engine (see conftest.py)
+def test_repeated_fits_with_the_graph_engine_reuse_the_traced_step(tmp_path):
+    # The graph engine puts the rewrite's global switches back after each
+    # `fit` and sets them again at the next: the step optimized under them
+    # is reused, and its graph dumps still count the converted nodes.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    model = CountingModel(inputs, keras.layers.Dense(1, name="head")(hidden))
+    model.compile("sgd", "mse")
+    monitor = AMPMonitor(str(tmp_path), engine="grappler")
+    x, y = np.ones((32, 4)), np.ones((32, 1))
+    options = tf.config.optimizer.get_experimental_options()
+    CountingModel.traces = 0
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    after_first = CountingModel.traces
+    for _ in range(2):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+        assert tf.config.optimizer.get_experimental_options() == options
+    assert after_first >= 1
+    assert CountingModel.traces == after_first
+    converted = precision_report(model)["graph"]["train"]["converted_by_op"]
+    assert converted["MatMul"] > 0

@@ -145,6 +145,33 @@ def test_each_apply_dumps_into_a_fresh_directory(tmp_path):
     engine.restore()
 
 
+def test_the_same_lists_again_keep_the_optimized_function_and_its_dumps(tmp_path):
+    # AMPMonitor applies its lists at the start of every `fit`: unchanged,
+    # they must not make the step trace again (seconds on a large model).
+    model = _model()
+    engine = GrapplerEngine(log_dir=str(tmp_path))
+    lists = PrecisionLists(deny_ops=("Conv2D",))
+    engine.apply(model, lists)
+    _fit_one_step(model)
+    built, dump_dir = model.train_function, engine.dump_dir
+    engine.apply(model, lists)
+    assert model.train_function is built
+    assert engine.dump_dir == dump_dir
+    assert sorted(os.listdir(tmp_path)) == ["apply_001"]
+    converted, _, _ = _converted(model, engine)
+    assert converted["MatMul"] > 0 and "Conv2D" not in converted
+
+    engine.apply(model, PrecisionLists(deny_ops=("MatMul",)))  # other lists
+    assert model.train_function is not built
+    engine.restore()
+    restored = model.train_function
+    # The restored function was not built under the lists: rebuilt again.
+    engine.apply(model, PrecisionLists(deny_ops=("MatMul",)))
+    assert model.train_function is not restored
+    assert sorted(os.listdir(tmp_path)) == ["apply_001", "apply_002", "apply_003"]
+    engine.restore()
+
+
 class _ApplyAfterFirstEpoch(keras.callbacks.Callback):
     """What AMPMonitor does: change the lists between epochs, inside `fit`."""
 

@@ -104,6 +104,25 @@ def test_amp_monitor_turns_advanced_amp_on_and_matmuls_run_in_bfloat16(
 
 
 @pytest.mark.itex_bfloat16
+def test_a_second_fit_with_the_same_lists_reuses_the_rewritten_step(
+    itex_log_dir, tmp_path
+):
+    itex = _compat.itex_module()
+    before = itex.get_config().SerializeToString()
+    model = transformer()
+    x, y = data()
+    monitor = kap.callbacks.AMPMonitor(str(tmp_path / "logs"), engine="itex")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+    first = itex_log.read_rewrites(itex_log_dir)
+    # A retrace would dump new rewrites; a kept step must not be reported as
+    # a rewrite that did not happen (warnings are errors in this suite).
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+    assert converted(first, DENSE_MATMULS) >= 4
+    assert len(itex_log.read_rewrites(itex_log_dir)) == len(first)
+    assert itex.get_config().SerializeToString() == before
+
+
+@pytest.mark.itex_bfloat16
 def test_moving_matmul_to_the_deny_list_changes_the_graph_after_retrace(
     itex_log_dir, tmp_path
 ):

@@ -451,8 +451,9 @@ class MonitorSession:
         self.log.close()
         wrapped = self.model.train_function
         self.recorder.uninstall()
-        self.model.make_train_function(force=True)
-        cache = StepCache(self.model, self.recorder, self.model.train_function, wrapped)
         if self.engine.level == "op":
             self.engine.restore()
-        return cache
+        # Made after `restore` (which rebuilds the model's functions), so that
+        # the next `fit` finds it and reuses the wrapped step.
+        self.model.make_train_function(force=True)
+        return StepCache(self.model, self.recorder, self.model.train_function, wrapped)

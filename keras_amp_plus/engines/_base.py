@@ -52,6 +52,63 @@ def rebuild_functions(model: keras.Model) -> None:
         model.make_predict_function(force=True)
 
 
+class RebuildRecord:
+    """The settings an op engine last rebuilt a model's functions under.
+
+    Grappler (and ITEX) optimize a function once, at its first call, under the
+    settings of that moment. So an engine that applies the settings its last
+    rebuild of this very train function ran under can leave the function as it
+    is: every `fit` with `AMPMonitor` applies the lists anew, and tracing a
+    large model's step again costs seconds (plus XLA compiles of its layers).
+    The function is held weakly: it holds the model.
+
+    Example:
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> record = RebuildRecord()
+    >>> record.is_current(model, {"denylist": "MatMul"})
+    False
+    >>> record.rebuild(model, {"denylist": "MatMul"})
+    >>> record.is_current(model, {"denylist": "MatMul"})
+    True
+    >>> record.is_current(model, {"denylist": "Conv2D"})
+    False
+    """
+
+    def __init__(self):
+        self._settings = None
+        self._function = None
+
+    def is_current(self, model: keras.Model, settings) -> bool:
+        """Whether `model`'s train function was last rebuilt under `settings`.
+
+        Args:
+            model: the Keras model.
+            settings: the engine's comparable description of its settings.
+        """
+        function = self._function() if self._function is not None else None
+        return (
+            function is not None
+            and function is model.train_function
+            and self._settings == settings
+        )
+
+    def rebuild(self, model: keras.Model, settings) -> None:
+        """Rebuild `model`'s functions (`rebuild_functions`) under `settings`.
+
+        Args:
+            model: the Keras model.
+            settings: the engine's comparable description of its settings.
+        """
+        rebuild_functions(model)
+        try:
+            self._function = weakref.ref(model.train_function)
+        except TypeError:  # None: an uncompiled model has no train function
+            self._function = None
+        self._settings = settings
+
+
 def warn_if_xla(model: keras.Model, engine_name: str) -> None:
     """Warn that XLA-compiled functions bypass graph rewrites."""
     if getattr(model, "jit_compile", False):

@@ -6,9 +6,10 @@ Turns on `auto_mixed_precision_onednn_bfloat16` and writes the lists into
 user had set). Grappler re-reads these variables each time it optimizes a
 function, so after a change the model's functions are rebuilt.
 
-Each `apply` also points `TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LOG_PATH` at a
-fresh directory (`dump_dir`), where grappler writes the graphs before and after
-the rewrite; `keras_amp_plus.precision_report` counts the converted nodes there.
+Each `apply` that rebuilds also points
+`TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LOG_PATH` at a fresh directory
+(`dump_dir`), where grappler writes the graphs before and after the rewrite;
+`keras_amp_plus.precision_report` counts the converted nodes there.
 Grappler writes four files per optimized function (a train function's can be
 megabytes), so a temporary directory the engine made keeps the last few
 applies only and is deleted with the engine.
@@ -35,6 +36,7 @@ from keras_amp_plus._lists.list_fields import (
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.engines._base import (
     Engine,
+    RebuildRecord,
     rebuild_functions,
     remember_engine,
     warn_if_xla,
@@ -104,9 +106,10 @@ class GrapplerEngine(Engine):
     """Apply op lists (and translated layer lists) through grappler.
 
     Args:
-        log_dir: directory under which each `apply` gets a new graph-dump
-            subdirectory (`apply_001`, ...; numbers already taken are skipped,
-            so an old run's dumps are never read as this run's). Defaults to
+        log_dir: directory under which each `apply` that rebuilds the
+            model's functions gets a new graph-dump subdirectory
+            (`apply_001`, ...; numbers already taken are skipped, so an old
+            run's dumps are never read as this run's). Defaults to
             None: the user's `TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LOG_PATH`
             if set, else a temporary directory owned by the engine, which
             keeps the dumps of the last `KEPT_DUMPS` applies only and is
@@ -141,6 +144,7 @@ class GrapplerEngine(Engine):
         self._saved_options = None
         self._model = None
         self._owns_log_dir = False
+        self._built = RebuildRecord()
 
     def _current_state(self) -> tuple:
         return capture_global_state()
@@ -198,7 +202,9 @@ class GrapplerEngine(Engine):
 
         Bad lists, and oneDNN being off, raise before anything changes; if a
         later step fails, the variables and the option are put back as they
-        were before this call.
+        were before this call. Applied again with the same variables to the
+        train function this engine last rebuilt (the next `fit` of
+        `AMPMonitor`), the function and its dump directory are kept.
 
         Args:
             model: the Keras model the lists refer to.
@@ -209,19 +215,28 @@ class GrapplerEngine(Engine):
         warn_if_xla(model, self.name)
         before = self._current_state()
         saved = self._saved_environment or before[0]
-        dump_dir = self._new_dump_dir(saved) if self.dump_graphs else None
+        base = {f: saved[list_variable(f)] for f in FIELD_NAMES}
+        variables = {
+            list_variable(field): value if value or base[field] is not None else None
+            for field, value in merge_list_fields(base, placements).items()
+        }
+        current = self._built.is_current(model, variables) and (
+            not self.dump_graphs or os.path.isdir(self.dump_dir or "")
+        )
+        dump_dir = None
+        if self.dump_graphs and not current:
+            dump_dir = self._new_dump_dir(saved)
         try:
-            base = {f: saved[list_variable(f)] for f in FIELD_NAMES}
-            for field, value in merge_list_fields(base, placements).items():
-                variable = list_variable(field)
-                if value or saved[variable] is not None:
-                    os.environ[variable] = value
-                else:
+            for variable, value in variables.items():
+                if value is None:
                     os.environ.pop(variable, None)
-            if dump_dir is not None:
-                os.environ[LOG_PATH_VARIABLE] = dump_dir
+                else:
+                    os.environ[variable] = value
+            if self.dump_graphs:
+                os.environ[LOG_PATH_VARIABLE] = dump_dir or self.dump_dir
             tf.config.optimizer.set_experimental_options({GRAPPLER_OPTION: True})
-            rebuild_functions(model)
+            if not current:
+                self._built.rebuild(model, variables)
         except BaseException:
             self._put_back(*before)
             raise

@@ -39,6 +39,7 @@ from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.engines import _itex_log as itex_log
 from keras_amp_plus.engines._base import (
     Engine,
+    RebuildRecord,
     rebuild_functions,
     remember_engine,
     warn_if_xla,
@@ -209,6 +210,7 @@ class ItexEngine(Engine):
         self._saved_config = None
         self._model = None
         self._rewrites_at_apply = None
+        self._built = RebuildRecord()
 
     def check_available(self, model: keras.Model) -> None:
         """Raise now (before any step) if this engine cannot run here.
@@ -227,6 +229,9 @@ class ItexEngine(Engine):
 
     def apply(self, model: keras.Model, lists: PrecisionLists) -> None:
         """Set ITEX's AMP lists from `itex.get_config()`, then rebuild.
+
+        Applied again with the same config to the train function this engine
+        last rebuilt (the next `fit` of `AMPMonitor`), the function is kept.
 
         Args:
             model: the Keras model the lists refer to.
@@ -247,9 +252,12 @@ class ItexEngine(Engine):
             setattr(amp, field, value)
         amp.data_type = getattr(itex, self.data_type)
         config.graph_options.auto_mixed_precision = itex.ON
+        settings = config.SerializeToString(deterministic=True)
+        current = self._built.is_current(model, settings)
         try:
             itex.set_config(config)
-            rebuild_functions(model)
+            if not current:
+                self._built.rebuild(model, settings)
         except BaseException:
             itex.set_config(before)  # a failed apply changes nothing global
             raise
@@ -258,7 +266,8 @@ class ItexEngine(Engine):
         self._model = weakref.ref(model)
         remember_engine(model, self)
         log_dir = os.environ.get(itex_log.LOG_PATH_ENV)
-        if log_dir and os.path.isdir(log_dir):
+        if not current and log_dir and os.path.isdir(log_dir):
+            # A kept function was checked after the apply that built it.
             self._rewrites_at_apply = itex_log.count_rewrites(log_dir)
 
     def check_rewrites(self) -> list:

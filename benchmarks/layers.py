@@ -10,9 +10,12 @@ kind and shape of a grid of shapes real models use:
 - Swish vs `keras.layers.Activation("swish")`, 0.5M to 32M elements;
 
 one forward + backward step (gradients w.r.t. the input and every weight,
-upstream gradient given) is wrapped in a `tf.function` ("graph" step) and in a
-`tf.function(jit_compile=True)` ("xla" step: the layer inlined into one XLA
-cluster, as in a model compiled with `jit_compile=True`). Ours and Keras's
+upstream gradient given) is wrapped in a `tf.function` ("graph" step), in one
+traced for any batch size ("tfdata" step: the batch axis unknown when traced,
+as `fit` traces a `tf.data` pipeline without `drop_remainder` or data with a
+partial last batch) and in a `tf.function(jit_compile=True)` ("xla" step: the
+layer inlined into one XLA cluster, as in a model compiled with
+`jit_compile=True`). Ours and Keras's
 steps are called interleaved, call by call, after a warm-up; each figure is the
 median process CPU time (`time.process_time()`, all threads) of `--reps`
 calls (more for cheap cells, see `MIN_CELL_SECONDS`), so load from other
@@ -66,7 +69,7 @@ from keras_amp_plus.layers import _path_calibration
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 POLICIES = ("mixed_bfloat16", "mixed_float16", "float32")
-STEPS = ("graph", "xla")
+STEPS = ("graph", "tfdata", "xla")
 TARGET_WORST, TARGET_MEDIAN = 1.0, 0.6
 # Calls per implementation and cell: at least --reps, more for cheap cells
 # until one implementation has run MIN_CELL_SECONDS of CPU time, at most
@@ -139,10 +142,14 @@ class AffineFloor(keras.layers.Layer):
         return keras.ops.cast(wide * gamma + beta, self.compute_dtype)
 
 
-def make_step(layer, jit):
+def make_step(layer, step_kind, shape, dtype):
     """Return a tf.function running forward + backward through `layer`."""
+    signature = None
+    if step_kind == "tfdata":
+        spec = tf.TensorSpec((None, *shape[1:]), dtype)
+        signature = [spec, spec]
 
-    @tf.function(jit_compile=jit)
+    @tf.function(jit_compile=step_kind == "xla", input_signature=signature)
     def step(x, upstream):
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -199,14 +206,17 @@ def time_cell(kind, shape, policy, step_kind, reps, floor=False, control=False):
         keras.config.set_dtype_policy(previous)
     x, upstream = inputs_for(shape, dtype)
     jit = step_kind == "xla"
-    steps = {"ours": make_step(ours, jit), "keras": make_step(theirs, jit)}
+    steps = {
+        who: make_step(layer, step_kind, shape, dtype)
+        for who, layer in (("ours", ours), ("keras", theirs))
+    }
     outputs = {who: step(x, upstream)[0] for who, step in steps.items()}
     error = check_close(outputs["ours"], outputs["keras"], dtype)
     if floor and jit:
-        steps["floor"] = make_step(affine, jit)
+        steps["floor"] = make_step(affine, step_kind, shape, dtype)
         steps["floor"](x, upstream)
     if control:
-        steps["keras_again"] = make_step(again, jit)
+        steps["keras_again"] = make_step(again, step_kind, shape, dtype)
         steps["keras_again"](x, upstream)
     warm = []
     for step in steps.values():

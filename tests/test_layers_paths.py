@@ -16,12 +16,20 @@ from conftest import (
     assert_close,
     check_normalization,
     float_inputs,
+    normalization_reference,
+    set_random_weights,
     swish_reference,
     use_policy,
 )
 
 from keras_amp_plus import layers
-from keras_amp_plus.layers import _batch_norm_formula, _path_calibration, _path_choice
+from keras_amp_plus.layers import (
+    _batch_norm_formula,
+    _fused_normalization,
+    _keras_formula,
+    _path_calibration,
+    _path_choice,
+)
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 
@@ -87,6 +95,70 @@ class _UnknownShapeStep(_StepWrapped):
         self.call_in_step = tf.function(lambda x: layer(x), input_signature=[spec])
 
 
+def _counting(function, counter):
+    """`function`, counting its runs in `counter` (a variable) at run time."""
+
+    def counted(*args):
+        with tf.control_dependencies([counter.assign_add(1)]):
+            return tf.identity(function(*args))
+
+    return counted
+
+
+@pytest.mark.parametrize("policy_name", POLICIES)
+@pytest.mark.parametrize(
+    "small, large",
+    (
+        (_path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM),
+        (_path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA),
+    ),
+    ids=("formula_then_batch_norm", "kernels_then_formula"),
+)
+def test_an_unknown_batch_size_runs_the_path_of_each_batch(
+    small, large, policy_name, monkeypatch
+):
+    # `fit` often traces its step with an unknown batch size (a tf.data
+    # pipeline, a partial last batch); the path chosen for each batch's size
+    # must still be the one that runs, switched at run time in one trace.
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    monkeypatch.setattr(
+        _path_calibration,
+        "measured_path",
+        lambda elements, trailing, dtype: small if elements < 4 * 256 else large,
+    )
+    implementations = {
+        _path_choice.KERAS_FORMULA: (_keras_formula, "keras_formula_normalize"),
+        _path_choice.BATCH_NORM: (_batch_norm_formula, "batch_norm_normalize"),
+        _path_choice.FUSED_KERNELS: (_fused_normalization, "kernels_normalize"),
+    }
+    counters = {small: tf.Variable(0), large: tf.Variable(0)}
+    for path, counter in counters.items():
+        module, name = implementations[path]
+        monkeypatch.setattr(module, name, _counting(getattr(module, name), counter))
+    policy = use_policy(policy_name)
+    compute = policy.compute_dtype
+    layer = layers.InstanceNormalization()
+    layer.build((None, 4, 4, 16))
+    set_random_weights(layer)
+    gamma = np.reshape(as_float64(layer.gamma), (1, 1, 1, 16))
+    beta = np.reshape(as_float64(layer.beta), (1, 1, 1, 16))
+    spec = tf.TensorSpec((None, 4, 4, 16), compute)
+    step = tf.function(lambda x: layer(x), input_signature=[spec])
+    for batch, path in ((2, small), (6, large), (3, small)):
+        before = {name: int(counter.numpy()) for name, counter in counters.items()}
+        x, upstream, x64, upstream64 = float_inputs((batch, 4, 4, 16), 0.0, compute)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = step(x)
+        x_grad = tape.gradient(outputs, x, output_gradients=upstream)
+        ref = normalization_reference(x64, upstream64, gamma, beta, 1e-3, (1, 2))
+        assert_close(outputs, ref[0], compute, "outputs")
+        assert_close(x_grad, ref[1], compute, "x gradient")
+        ran = {name for name, c in counters.items() if int(c.numpy()) > before[name]}
+        assert ran == {path}
+    assert step.experimental_get_tracing_count() == 1
+
+
 @pytest.mark.parametrize("policy_name", POLICIES)
 @pytest.mark.parametrize(
     "shape", ((3, 40, 6), (2, 5, 6, 8), (2, 3, 4, 5, 6)), ids=("1d", "2d", "3d")
@@ -134,6 +206,29 @@ def _path_taken(
 
     step(tf.zeros([8, 16]))
     return taken[0]
+
+
+def test_paths_by_batch_size_are_one_path_where_the_size_is_known(monkeypatch):
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    monkeypatch.setattr(
+        _path_calibration,
+        "measured_path",
+        lambda elements, trailing, dtype: "a" if elements < 100 else "b",
+    )
+    runs = {}
+
+    @tf.function
+    def step():
+        runs["unknown"] = _path_choice.paths_by_batch_size((None, 10), False)
+        runs["known"] = _path_choice.paths_by_batch_size((20, 10), False)
+        runs["lengths"] = _path_choice.paths_by_batch_size((None, None, 10), False)
+        return 0
+
+    step()
+    assert runs["unknown"] == ((1, "a"), (10, "b"))
+    assert runs["known"] == ((1, "b"),)
+    # Variable lengths (not only the batch): the kernels, in row buckets.
+    assert runs["lengths"] == ((1, _path_choice.FUSED_KERNELS),)
 
 
 def test_inside_xla_layer_norm_takes_the_kernels_where_measured_faster(monkeypatch):

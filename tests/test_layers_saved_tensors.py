@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from keras_amp_plus import layers
+from keras_amp_plus.layers import _path_choice
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 SHAPE = (None, 6, 8)
@@ -54,7 +55,10 @@ def test_swish_backward_reads_only_the_input(policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", ["LayerNormalization", "InstanceNormalization"])
-def test_normalization_backward_keeps_input_and_statistics(name, policy):
+def test_normalization_backward_keeps_input_and_statistics(name, policy, monkeypatch):
+    # The kernels' path (in a graph step of unknown batch size the layer may
+    # otherwise switch between paths at run time, inside nested functions).
+    monkeypatch.setenv(_path_choice.PATH_VARIABLE, _path_choice.FUSED_KERNELS)
     keras.config.set_dtype_policy(policy)
     compute = keras.config.dtype_policy().compute_dtype
     graph, calls = _kernel_calls(getattr(layers, name)(), compute)

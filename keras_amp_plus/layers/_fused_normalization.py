@@ -24,6 +24,8 @@ Keras's layers, `fused_normalize` runs Keras's formula instead
 (`_path_choice` decides; `benchmarks/layers.py` measures both).
 """
 
+import functools
+
 import tensorflow as tf
 
 from keras_amp_plus.layers import (
@@ -177,18 +179,43 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
 
     trailing = stat_axes == tuple(range(x.shape.rank - len(stat_axes), x.shape.rank))
     batch_norm_applies = _batch_norm_formula.applies(x, gamma, epsilon, stat_axes)
-    path = _path_choice.normalization_path(
-        x.shape.num_elements(), trailing, x.dtype, batch_norm_applies
+    paths = _path_choice.paths_by_batch_size(
+        x.shape, trailing, x.dtype, batch_norm_applies
     )
-    if path == _path_choice.BATCH_NORM:
-        return _batch_norm_formula.batch_norm_normalize(
-            x, gamma, beta, epsilon, stat_axes, output_dtype
-        )
-    if path == _path_choice.KERAS_FORMULA:
-        return _keras_formula.keras_formula_normalize(
-            x, gamma, beta, epsilon, stat_axes, output_dtype
-        )
-    return kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype)
+    implementations = {
+        _path_choice.BATCH_NORM: _batch_norm_formula.batch_norm_normalize,
+        _path_choice.KERAS_FORMULA: _keras_formula.keras_formula_normalize,
+        _path_choice.FUSED_KERNELS: kernels_normalize,
+    }
+
+    def run(path):
+        return implementations[path](x, gamma, beta, epsilon, stat_axes, output_dtype)
+
+    if len(paths) == 1:
+        return run(paths[0][1])
+    return _switch_on_batch_size(x, paths, run)
+
+
+def _switch_on_batch_size(x, paths, run):
+    """Run `run(path)` for the path of `x`'s batch size (`tf.switch_case`).
+
+    Args:
+        x: the input, its batch size unknown at trace time.
+        paths: `_path_choice.paths_by_batch_size` runs, more than one.
+        run: maps a path to the normalized `x` by that implementation.
+    """
+    distinct = sorted({path for _, path in paths})
+    branch_of_run = tf.constant([distinct.index(path) for _, path in paths])
+    firsts = tf.constant([first for first, _ in paths[1:]], tf.int64)
+    batch = tf.cast(tf.shape(x)[0], tf.int64)
+    run_index = tf.reduce_sum(tf.cast(batch >= firsts, tf.int32))
+    # Each branch is a function of its own: a `tf.custom_gradient` (the
+    # kernels') directly in a branch fails to differentiate in graph mode
+    # (TensorFlow issue 50170), inside a called function it does not.
+    branches = [tf.function(functools.partial(run, path)) for path in distinct]
+    outputs = tf.switch_case(tf.gather(branch_of_run, run_index), branches)
+    outputs.set_shape(x.shape)
+    return outputs
 
 
 def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):

@@ -25,6 +25,10 @@ of machine:
   axes (instance norm, channels last), TensorFlow's fused batch-norm kernel
   (`_batch_norm_formula`) from `BATCH_NORM_MIN_ELEMENTS` on and Keras's
   formula below.
+- In a graph step traced with an unknown batch size (as `fit` traces a
+  `tf.data` pipeline without `drop_remainder`, or a partial last batch), the
+  choice above for each batch size (`paths_by_batch_size`), switched at run
+  time; inputs whose other sizes vary too take the kernels (row buckets).
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
   leaves XLA-compiled functions alone.
@@ -117,6 +121,78 @@ def normalization_path(
     >>> normalization_path(None)
     'fused_kernels'
     """
+    fixed = _path_without_size(elements, trailing_statistics, batch_norm_applies)
+    if fixed is not None:
+        return fixed
+    if elements is None:  # variable lengths: the kernels, in row buckets
+        return FUSED_KERNELS
+    return _graph_step_path(elements, trailing_statistics, dtype, batch_norm_applies)
+
+
+def paths_by_batch_size(
+    shape, trailing_statistics=True, dtype="float32", batch_norm_applies=False
+) -> tuple:
+    """Return the path for each range of batch sizes of inputs of `shape`.
+
+    In a graph step `fit` traces, the batch size is often unknown (a
+    `tf.data` pipeline without `drop_remainder`, a partial last batch), while
+    the measured winner depends on the input's size. Then the choice is made
+    per batch size, from the same measurements and rules, and the layer
+    switches between the paths at run time (`tf.switch_case`). Elsewhere (a
+    known shape, XLA, a forced path, ...) it is one path for every size.
+
+    Args:
+        shape: the input's static shape (`tf.TensorShape` or tuple).
+        trailing_statistics: as in `normalization_path`. Defaults to `True`.
+        dtype: as in `normalization_path`. Defaults to `"float32"`.
+        batch_norm_applies: as in `normalization_path`. Defaults to `False`.
+
+    Returns:
+        A tuple of `(first batch size, path)` pairs, by increasing batch size,
+        each path differing from the one before; the first starts at 1.
+
+    Example:
+    >>> paths_by_batch_size((4, 16))
+    ((1, 'fused_kernels'),)
+    """
+    shape = tf.TensorShape(shape)
+    sample = tf.TensorShape(shape[1:]).num_elements() if shape.rank else None
+    if shape.num_elements() is not None or not sample:
+        elements = shape.num_elements()
+        path = normalization_path(
+            elements, trailing_statistics, dtype, batch_norm_applies
+        )
+        return ((1, path),)
+    fixed = _path_without_size(None, trailing_statistics, batch_norm_applies)
+    if fixed is not None:
+        return ((1, fixed),)
+    runs = []
+    for batch in _batch_size_grid():
+        path = _graph_step_path(
+            batch * sample, trailing_statistics, dtype, batch_norm_applies
+        )
+        if not runs or runs[-1][1] != path:
+            runs.append((batch, path))
+    return tuple(runs)
+
+
+@functools.cache
+def _batch_size_grid() -> tuple:
+    """Batch sizes the choice is evaluated at: each up to 64, then 9% apart.
+
+    The choice depends on the size through thresholds and the nearest
+    measured size (octaves apart), so a finer grid changes nothing measurable.
+    """
+    geometric = {round(2 ** (k / 8)) for k in range(48, 8 * 20 + 1)}
+    return tuple(sorted(set(range(1, 65)) | geometric))
+
+
+def _path_without_size(elements, trailing_statistics, batch_norm_applies):
+    """Return the path where the input's size does not decide it, else None.
+
+    That is a forced path, any step inside XLA, a large layer norm, eager
+    execution and a graph-level bfloat16 rewrite.
+    """
     forced = _forced_path()
     in_xla = _compat.in_xla_compiled_function()
     # XLA's lowering of the batch-norm kernel on the reshaped (sample,
@@ -130,9 +206,17 @@ def normalization_path(
         if trailing_statistics and (elements is None or large or cpu_has_avx512()):
             return FUSED_KERNELS
         return KERAS_FORMULA
-    if elements is None or (large and trailing_statistics):
+    if large and trailing_statistics:
         return FUSED_KERNELS
     if tf.executing_eagerly() or graph_rewrite_on():
+        return FUSED_KERNELS
+    return None
+
+
+def _graph_step_path(elements, trailing_statistics, dtype, batch_norm_applies):
+    """Return the path of a graph step for an input of `elements` elements."""
+    large = elements >= DOT_SUM_MIN_ELEMENTS
+    if large and trailing_statistics:
         return FUSED_KERNELS
     measured = _path_calibration.measured_path(elements, trailing_statistics, dtype)
     if measured == BATCH_NORM and not batch_norm_applies:

@@ -320,12 +320,16 @@ def calibrate(quick):
     """Measure the graph-step paths into a fresh cache directory; return cells."""
     os.environ["KERAS_AMP_PLUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kap_paths_")
     result = _path_calibration.measure_paths(
-        seconds=10.0 if quick else 40.0, reps=3 if quick else 7
+        seconds=20.0 if quick else 80.0, reps=3 if quick else 7
     )
     print("measured graph-step paths (CPU time / Keras's formula's):")
     for cell in result["cells"]:
         ratios = ", ".join(f"{k} {v:.2f}" for k, v in cell["ratios"].items())
-        print(f"  {cell['dtype']:<9} {cell['shape']!s:<18} {ratios} -> {cell['path']}")
+        batch = "any batch" if cell["unknown_batch"] else "its batch"
+        print(
+            f"  {cell['dtype']:<9} {cell['shape']!s:<18} {batch:<9} {ratios}"
+            f" -> {cell['path']}"
+        )
     return result["cells"]
 
 

@@ -31,8 +31,13 @@ reported as "n/a: <reason>" instead of stopping the run.
 
 The JSON is written to `benchmarks/results/training_<cpu kind>.json`.
 
+`--pipeline tfdata` feeds a `tf.data` pipeline batched without
+`drop_remainder` instead of NumPy arrays: `fit` then traces the step with an
+unknown batch size, as it does for most real input pipelines (its JSON gets a
+`_tfdata` suffix).
+
 Usage: python benchmarks/training.py [--quick] [--rounds N] [--steps N]
-    [--models transformer cnn] [--output PATH]
+    [--models transformer cnn] [--pipeline numpy|tfdata] [--output PATH]
 """
 
 import argparse
@@ -171,32 +176,42 @@ class Variant:
         )
         self.error = None
 
-    def run_epoch(self, x, y, batch):
+    def run_epoch(self, data, batch):
         if self.error is not None:
             return
+        x, y = data if isinstance(data, tuple) else (data, None)
         try:
             self.model.fit(
-                x, y, batch_size=batch, epochs=1, verbose=0, callbacks=self.callbacks
+                x,
+                y,
+                batch_size=None if y is None else batch,
+                epochs=1,
+                verbose=0,
+                callbacks=self.callbacks,
             )
         except Exception as error:  # report the cell, keep the run going
             self.error = f"{type(error).__name__}: {_reason(error)}"
 
 
-def run_model(model_name, size, rounds, steps, log_root):
+def run_model(model_name, size, rounds, steps, log_root, pipeline="numpy"):
     x, y = data(model_name, size, steps)
+    batches = (x, y)
+    if pipeline == "tfdata":
+        # Batched without drop_remainder: `fit` traces an unknown batch size.
+        batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(size["batch"])
     variants = [
         Variant(model_name, name, jit, size, log_root)
         for jit in (False, True)
         for name in VARIANTS
     ]
     for variant in variants:  # warm-up: trace, compile
-        variant.run_epoch(x, y, size["batch"])
+        variant.run_epoch(batches, size["batch"])
         variant.timer.seconds.clear()
         variant.timer.steps.clear()
     for round_index in range(rounds):
         shift = round_index % len(variants)
         for variant in variants[shift:] + variants[:shift]:
-            variant.run_epoch(x, y, size["batch"])
+            variant.run_epoch(batches, size["batch"])
     rows = []
     for variant in variants:
         row = {"model": model_name, "variant": variant.name, "jit_compile": variant.jit}
@@ -261,6 +276,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=None, help="default 4")
     parser.add_argument("--steps", type=int, default=None, help="default 6")
     parser.add_argument("--models", nargs="+", default=list(SIZES), choices=SIZES)
+    parser.add_argument(
+        "--pipeline",
+        choices=("numpy", "tfdata"),
+        default="numpy",
+        help="feed NumPy arrays (a known batch size) or a tf.data pipeline "
+        "batched without drop_remainder (traced with an unknown batch size)",
+    )
     parser.add_argument("--output", type=pathlib.Path, default=None)
     args = parser.parse_args()
     # The defaults keep a full run under 10 minutes on 2 loaded cores.
@@ -269,12 +291,15 @@ def main():
     sizes = QUICK_SIZES if args.quick else SIZES
     info = print_header("End-to-end training steps per CPU second")
     tag = cpu_kind(info) + ("_quick" if args.quick else "")
+    tag += "_tfdata" if args.pipeline == "tfdata" else ""
     output = args.output or RESULTS / f"training_{tag}.json"
     start = time.time()
     rows = []
     with tempfile.TemporaryDirectory() as log_root:
         for model_name in args.models:
-            rows += run_model(model_name, sizes[model_name], rounds, steps, log_root)
+            rows += run_model(
+                model_name, sizes[model_name], rounds, steps, log_root, args.pipeline
+            )
             print_table([r for r in rows if r["model"] == model_name])
     print(f"wall time {time.time() - start:.0f} s")
     meta = {
@@ -285,6 +310,7 @@ def main():
         "sizes": {name: sizes[name] for name in args.models},
         "rounds": rounds,
         "steps_per_epoch": steps,
+        "pipeline": args.pipeline,
         "command": " ".join(["python", *sys.argv]),
         "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
     }

@@ -300,7 +300,7 @@ def test_layer_paths_not_measured_with_itex_loaded(tmp_path, monkeypatch):
     line = doctor_text._layer_paths_line(
         {"cache": "c", "measured_now": True, "cells": cells}
     )
-    assert line == "fastest at 3 shapes: batch_norm 2, keras_formula 1 (measured now)"
+    assert line == "fastest at 3 cells: batch_norm 2, keras_formula 1 (measured now)"
 
 
 def test_jit_probe_measures_both_modes_and_restores_the_policy():

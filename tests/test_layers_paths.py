@@ -124,7 +124,9 @@ def test_an_unknown_batch_size_runs_the_path_of_each_batch(
     monkeypatch.setattr(
         _path_calibration,
         "measured_path",
-        lambda elements, trailing, dtype: small if elements < 4 * 256 else large,
+        lambda elements, trailing, dtype, unknown_batch: (
+            small if elements < 4 * 256 else large
+        ),
     )
     implementations = {
         _path_choice.KERAS_FORMULA: (_keras_formula, "keras_formula_normalize"),
@@ -213,7 +215,9 @@ def test_paths_by_batch_size_are_one_path_where_the_size_is_known(monkeypatch):
     monkeypatch.setattr(
         _path_calibration,
         "measured_path",
-        lambda elements, trailing, dtype: "a" if elements < 100 else "b",
+        lambda elements, trailing, dtype, unknown_batch: (
+            ("a" if elements < 100 else "b") + ("?" if unknown_batch else "")
+        ),
     )
     runs = {}
 
@@ -225,7 +229,8 @@ def test_paths_by_batch_size_are_one_path_where_the_size_is_known(monkeypatch):
         return 0
 
     step()
-    assert runs["unknown"] == ((1, "a"), (10, "b"))
+    # An unknown batch size: the winners measured in steps traced that way.
+    assert runs["unknown"] == ((1, "a?"), (10, "b?"))
     assert runs["known"] == ((1, "b"),)
     # Variable lengths (not only the batch): the kernels, in row buckets.
     assert runs["lengths"] == ((1, _path_choice.FUSED_KERNELS),)
@@ -263,6 +268,20 @@ def _write_measurements(cells):
 
 def _cell(trailing, dtype, elements, path):
     return {"trailing": trailing, "dtype": dtype, "elements": elements, "path": path}
+
+
+def test_steps_of_unknown_batch_size_follow_their_own_measurements():
+    # TensorFlow's kernels lose optimizations a known batch size allows (the
+    # formula's and the batch-norm kernel's), XLA's do not: the winners differ.
+    kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
+    _write_measurements(
+        [
+            _cell(False, "float32", 128, formula),
+            {**_cell(False, "float32", 128, kernels), "unknown_batch": True},
+        ]
+    )
+    assert _path_calibration.measured_path(128, False, "float32") == formula
+    assert _path_calibration.measured_path(128, False, "float32", True) == kernels
 
 
 def test_graph_step_follows_the_measured_winner(monkeypatch):
@@ -324,12 +343,18 @@ def test_measure_paths_caches_winners_per_machine(monkeypatch):
     monkeypatch.setattr(_path_calibration, "MIDDLE_SHAPES", ((2, 4, 4, 8),))
     monkeypatch.setattr(_path_calibration, "DTYPES", ("bfloat16",))
     result = _path_calibration.measure_paths(seconds=60.0, reps=1)
-    assert [cell["shape"] for cell in result["cells"]] == [[16, 8], [2, 4, 4, 8]]
+    # Each shape in a step traced for its batch size and for any batch size.
+    assert [(cell["shape"], cell["unknown_batch"]) for cell in result["cells"]] == [
+        ([16, 8], False),
+        ([16, 8], True),
+        ([2, 4, 4, 8], False),
+        ([2, 4, 4, 8], True),
+    ]
     with open(_path_calibration.cache_path(), encoding="utf-8") as file:
         cached = json.load(file)["cells"]
     assert cached == result["cells"]
-    assert set(cached[0]["ratios"]) == {"fused_kernels", "keras_formula"}
-    assert set(cached[1]["ratios"]) == {"fused_kernels", "keras_formula", "batch_norm"}
+    assert set(cached[1]["ratios"]) == {"fused_kernels", "keras_formula"}
+    assert set(cached[3]["ratios"]) == {"fused_kernels", "keras_formula", "batch_norm"}
     for cell in cached:
         fastest = min(cell["ratios"], key=cell["ratios"].get)
         expected = (
@@ -338,7 +363,9 @@ def test_measure_paths_caches_winners_per_machine(monkeypatch):
             else _path_choice.KERAS_FORMULA
         )
         assert cell["path"] == expected
-        found = _path_calibration.measured_path(128, cell["trailing"], "bfloat16")
+        found = _path_calibration.measured_path(
+            128, cell["trailing"], "bfloat16", cell["unknown_batch"]
+        )
         assert found == cell["path"]
 
 

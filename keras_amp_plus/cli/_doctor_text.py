@@ -89,7 +89,7 @@ def _jit_probe_line(jit_probe: dict | None) -> str:
 
 
 def _layer_paths_line(layer_paths: dict | None) -> str:
-    """Return how many measured graph-step shapes each path won."""
+    """Return how many measured graph-step cells (shape, batch) each path won."""
     if layer_paths is None:
         return "not measured"
     if layer_paths.get("skipped"):
@@ -100,7 +100,7 @@ def _layer_paths_line(layer_paths: dict | None) -> str:
         wins[cell["path"]] = wins.get(cell["path"], 0) + 1
     counts = ", ".join(f"{path} {count}" for path, count in sorted(wins.items()))
     when = "measured now" if layer_paths["measured_now"] else "cached"
-    return f"fastest at {len(cells)} shapes: {counts or 'none'} ({when})"
+    return f"fastest at {len(cells)} cells: {counts or 'none'} ({when})"
 
 
 def render(facts: dict) -> str:

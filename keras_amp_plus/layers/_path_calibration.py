@@ -50,7 +50,7 @@ WIN_MARGIN = 0.85
 NEAREST_OCTAVES = 2.0
 # Part of the cache key: raise it whenever a raced implementation changes, so
 # that winners measured on the earlier code are measured again, not reused.
-PATHS_REVISION = 2
+PATHS_REVISION = 3
 
 
 @functools.cache
@@ -103,13 +103,15 @@ def _dtype_family(dtype) -> str:
     return "bfloat16" if name in ("bfloat16", "float16") else "float32"
 
 
-def measured_path(elements, trailing_statistics, dtype):
+def measured_path(elements, trailing_statistics, dtype, unknown_batch=False):
     """Return the measured faster path for such an input, or None.
 
     Args:
         elements: the input's number of elements.
         trailing_statistics: True for statistics over trailing axes.
         dtype: the input's dtype.
+        unknown_batch: whether the step was traced for any batch size (then
+            the winners measured in such steps apply). Defaults to `False`.
 
     Returns:
         `FUSED_KERNELS`, `KERAS_FORMULA` or `BATCH_NORM` from the nearest
@@ -127,7 +129,9 @@ def measured_path(elements, trailing_statistics, dtype):
     candidates = [
         cell
         for cell in _cells(cache_path())
-        if cell["trailing"] == bool(trailing_statistics) and cell["dtype"] == family
+        if cell["trailing"] == bool(trailing_statistics)
+        and cell["dtype"] == family
+        and cell.get("unknown_batch", False) == bool(unknown_batch)
     ]
     if not candidates or not elements:
         return None
@@ -138,8 +142,13 @@ def measured_path(elements, trailing_statistics, dtype):
     return nearest["path"]
 
 
-def _step(normalize, shape, dtype):
-    """Return a graph step (forward + backward) of `normalize` and its inputs."""
+def _step(normalize, shape, dtype, unknown_batch):
+    """Return a graph step (forward + backward) of `normalize` and its inputs.
+
+    With `unknown_batch`, traced for any batch size, as `fit` traces a
+    `tf.data` pipeline: TensorFlow's kernels (the formula's, the batch-norm
+    one) then lose optimizations a known shape allows, XLA's do not.
+    """
     trailing = len(shape) == 2
     stat_axes = (1,) if trailing else (1, 2)
     params = [1, shape[1]] if trailing else [1, 1, 1, shape[-1]]
@@ -147,7 +156,13 @@ def _step(normalize, shape, dtype):
     upstream = tf.cast(tf.random.stateless_normal(shape, (3, 4)), dtype)
     gamma, beta = tf.ones(params), tf.zeros(params)
 
-    @tf.function(jit_compile=False)
+    signature = None
+    if unknown_batch:
+        data = tf.TensorSpec((None, *shape[1:]), dtype)
+        weights = tf.TensorSpec(params, tf.float32)
+        signature = [data, data, weights, weights]
+
+    @tf.function(jit_compile=False, input_signature=signature)
     def step(x, upstream, gamma, beta):
         with tf.GradientTape() as tape:
             tape.watch([x, gamma, beta])
@@ -175,7 +190,8 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
     """Race the two paths in graph steps and cache the winners on disk.
 
     Runs eagerly (never call it inside a `tf.function`). Cells are measured
-    smallest first until `seconds` of wall time are spent; the ones done are
+    smallest first, each in steps traced for its batch size and for any
+    batch size, until `seconds` of wall time are spent; the ones done are
     cached.
 
     Args:
@@ -184,8 +200,8 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
 
     Returns:
         `{"path": cache file, "cells": [{"trailing", "dtype", "shape",
-        "elements", "ratios" (each path's CPU time / the formula's),
-        "path" (the winner)}]}`.
+        "elements", "unknown_batch", "ratios" (each path's CPU time / the
+        formula's), "path" (the winner)}]}`.
     """
     if not tf.executing_eagerly():
         raise RuntimeError(
@@ -206,10 +222,15 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
     deadline = time.monotonic() + seconds
     cells = []
     for shapes, racing in ((TRAILING_SHAPES, paths), (MIDDLE_SHAPES, middle_paths)):
-        for shape, dtype in ((s, d) for s in shapes for d in DTYPES):
+        for shape, dtype, unknown_batch in (
+            (s, d, u) for s in shapes for d in DTYPES for u in (False, True)
+        ):
             if time.monotonic() >= deadline:
                 break
-            steps = {name: _step(f, shape, dtype) for name, f in racing.items()}
+            steps = {
+                name: _step(f, shape, dtype, unknown_batch)
+                for name, f in racing.items()
+            }
             medians = _time_pair(steps, reps)
             ratios = {name: t / medians[KERAS_FORMULA] for name, t in medians.items()}
             fastest = min(ratios, key=ratios.get)
@@ -219,6 +240,7 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
                     "dtype": dtype,
                     "shape": list(shape),
                     "elements": math.prod(shape),
+                    "unknown_batch": unknown_batch,
                     "ratios": ratios,
                     "path": fastest if ratios[fastest] < WIN_MARGIN else KERAS_FORMULA,
                 }

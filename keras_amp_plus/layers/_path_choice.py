@@ -169,7 +169,7 @@ def paths_by_batch_size(
     runs = []
     for batch in _batch_size_grid():
         path = _graph_step_path(
-            batch * sample, trailing_statistics, dtype, batch_norm_applies
+            batch * sample, trailing_statistics, dtype, batch_norm_applies, True
         )
         if not runs or runs[-1][1] != path:
             runs.append((batch, path))
@@ -213,12 +213,20 @@ def _path_without_size(elements, trailing_statistics, batch_norm_applies):
     return None
 
 
-def _graph_step_path(elements, trailing_statistics, dtype, batch_norm_applies):
-    """Return the path of a graph step for an input of `elements` elements."""
+def _graph_step_path(
+    elements, trailing_statistics, dtype, batch_norm_applies, unknown_batch=False
+):
+    """Return the path of a graph step for an input of `elements` elements.
+
+    `unknown_batch`: the step was traced for any batch size (the winners
+    measured in such steps apply).
+    """
     large = elements >= DOT_SUM_MIN_ELEMENTS
     if large and trailing_statistics:
         return FUSED_KERNELS
-    measured = _path_calibration.measured_path(elements, trailing_statistics, dtype)
+    measured = _path_calibration.measured_path(
+        elements, trailing_statistics, dtype, unknown_batch
+    )
     if measured == BATCH_NORM and not batch_norm_applies:
         measured = None
     if measured is not None:

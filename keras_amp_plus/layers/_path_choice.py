@@ -27,8 +27,10 @@ of machine:
   formula below.
 - In a graph step traced with an unknown batch size (as `fit` traces a
   `tf.data` pipeline without `drop_remainder`, or a partial last batch), the
-  choice above for each batch size (`paths_by_batch_size`), switched at run
-  time; inputs whose other sizes vary too take the kernels (row buckets).
+  winner measured in steps traced that way for each batch size
+  (`paths_by_batch_size`), switched at run time; there the kernels are the
+  safe side (`_path_calibration.safe_path`) and run where nothing was
+  measured, or where other sizes vary too (row buckets).
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
   leaves XLA-compiled functions alone.
@@ -231,6 +233,8 @@ def _graph_step_path(
         measured = None
     if measured is not None:
         return measured
+    if unknown_batch:  # as before such steps were measured
+        return FUSED_KERNELS
     if large or (trailing_statistics and cpu_has_avx512()):
         return FUSED_KERNELS
     width = "float32" if tf.as_dtype(dtype).size >= 4 else "half"

@@ -139,9 +139,10 @@ def paths_by_batch_size(
     In a graph step `fit` traces, the batch size is often unknown (a
     `tf.data` pipeline without `drop_remainder`, a partial last batch), while
     the measured winner depends on the input's size. Then the choice is made
-    per batch size, from the same measurements and rules, and the layer
-    switches between the paths at run time (`tf.switch_case`). Elsewhere (a
-    known shape, XLA, a forced path, ...) it is one path for every size.
+    per batch size, from the winners measured in steps traced that way (the
+    kernels where none were), and the layer switches between the paths at
+    run time (`tf.switch_case`). Elsewhere (a known shape, XLA, a forced
+    path, ...) it is one path for every size.
 
     Args:
         shape: the input's static shape (`tf.TensorShape` or tuple).

@@ -72,16 +72,29 @@ def amp_options():
     return config.graph_options
 
 
+def fit_transformer_with_itex_monitor(tmp_path):
+    """Fit `transformer()` one epoch with AMPMonitor(engine="itex").
+
+    Returns a function that fits it one more epoch with the same monitor.
+    """
+    model = transformer()
+    x, y = data()
+    monitor = kap.callbacks.AMPMonitor(str(tmp_path / "logs"), engine="itex")
+
+    def fit():
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+
+    fit()
+    return fit
+
+
 @pytest.mark.itex_bfloat16
 def test_amp_monitor_turns_advanced_amp_on_and_matmuls_run_in_bfloat16(
     itex_log_dir, tmp_path
 ):
     itex = _compat.itex_module()
     before = itex.get_config().SerializeToString()
-    model = transformer()
-    x, y = data()
-    monitor = kap.callbacks.AMPMonitor(str(tmp_path / "logs"), engine="itex")
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+    fit_transformer_with_itex_monitor(tmp_path)
 
     records = itex_log.read_rewrites(itex_log_dir)
     assert records, "ITEX rewrote nothing: Advanced AMP was not on"
@@ -109,14 +122,11 @@ def test_a_second_fit_with_the_same_lists_reuses_the_rewritten_step(
 ):
     itex = _compat.itex_module()
     before = itex.get_config().SerializeToString()
-    model = transformer()
-    x, y = data()
-    monitor = kap.callbacks.AMPMonitor(str(tmp_path / "logs"), engine="itex")
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+    fit_again = fit_transformer_with_itex_monitor(tmp_path)
     first = itex_log.read_rewrites(itex_log_dir)
     # A retrace would dump new rewrites; a kept step must not be reported as
     # a rewrite that did not happen (warnings are errors in this suite).
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+    fit_again()
     assert converted(first, DENSE_MATMULS) >= 4
     assert len(itex_log.read_rewrites(itex_log_dir)) == len(first)
     assert itex.get_config().SerializeToString() == before

@@ -47,7 +47,14 @@ def run_python(code: str, timeout: float = 300, **environment) -> str:
 
     Fails the test with the child's output when it exits non-zero.
     """
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **environment}
+    # faulthandler: a native crash in the child (SIGSEGV) prints every
+    # thread's Python stack into the failure message instead of only "-11".
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PYTHONFAULTHANDLER": "1",
+        **environment,
+    }
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -80,6 +80,12 @@ def test_each_path_matches_float64_in_graph_and_xla(
     for mean in (0.0, _FAR_MEAN[path]):
         ln = _StepWrapped(layers.LayerNormalization(), jit_compile)
         check_normalization(ln, (16, 64), mean, policy, (1,), (1, 64))
+        # Sequences, as transformers feed them, run as (rows, features).
+        seq = _StepWrapped(layers.LayerNormalization(), jit_compile)
+        check_normalization(seq, (2, 8, 64), mean, policy, (2,), (1, 1, 64))
+        last_two = _StepWrapped(layers.LayerNormalization(axis=[-2, -1]), jit_compile)
+        params = (1, 1, 4, 16)
+        check_normalization(last_two, (2, 8, 4, 16), mean, policy, (2, 3), params)
         inorm = _StepWrapped(layers.InstanceNormalization(), jit_compile)
         shape, params = (4, 8, 8, 16), (1, 1, 1, 16)
         check_normalization(inorm, shape, mean, policy, (1, 2), params)
@@ -105,6 +111,52 @@ def _counting(function, counter):
     return counted
 
 
+def _check_path_of_each_batch(make_layer, sample, stat_axes, small, large, policy_name):
+    """`make_layer()` traced once for any batch size runs each batch's path."""
+    implementations = {
+        _path_choice.KERAS_FORMULA: (_keras_formula, "keras_formula_normalize"),
+        _path_choice.BATCH_NORM: (_batch_norm_formula, "batch_norm_normalize"),
+        _path_choice.FUSED_KERNELS: (_fused_normalization, "kernels_normalize"),
+    }
+    counters = {small: tf.Variable(0), large: tf.Variable(0)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            _path_calibration,
+            "measured_path",
+            lambda elements, trailing, dtype, unknown_batch: (
+                small if elements < 4 * 256 else large
+            ),
+        )
+        for path, counter in counters.items():
+            module, name = implementations[path]
+            patch.setattr(module, name, _counting(getattr(module, name), counter))
+        compute = use_policy(policy_name).compute_dtype
+        layer = make_layer()
+        layer.build((None, *sample))
+        set_random_weights(layer)
+        params = (1,) * len(sample) + (sample[-1],)
+        gamma = np.reshape(as_float64(layer.gamma), params)
+        beta = np.reshape(as_float64(layer.beta), params)
+        spec = tf.TensorSpec((None, *sample), compute)
+        step = tf.function(lambda x: layer(x), input_signature=[spec])
+        # 256 elements per sample: batches of 2 and 3 are small, 6 large.
+        for batch, path in ((2, small), (6, large), (3, small)):
+            before = {name: int(c.numpy()) for name, c in counters.items()}
+            x, upstream, x64, upstream64 = float_inputs((batch, *sample), 0.0, compute)
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                outputs = step(x)
+            x_grad = tape.gradient(outputs, x, output_gradients=upstream)
+            ref = normalization_reference(x64, upstream64, gamma, beta, 1e-3, stat_axes)
+            assert_close(outputs, ref[0], compute, "outputs")
+            assert_close(x_grad, ref[1], compute, "x gradient")
+            ran = {
+                name for name, c in counters.items() if int(c.numpy()) > before[name]
+            }
+            assert ran == {path}
+        assert step.experimental_get_tracing_count() == 1
+
+
 @pytest.mark.parametrize("policy_name", POLICIES)
 @pytest.mark.parametrize(
     "small, large",
@@ -121,44 +173,22 @@ def test_an_unknown_batch_size_runs_the_path_of_each_batch(
     # pipeline, a partial last batch); the path chosen for each batch's size
     # must still be the one that runs, switched at run time in one trace.
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
-    monkeypatch.setattr(
-        _path_calibration,
-        "measured_path",
-        lambda elements, trailing, dtype, unknown_batch: (
-            small if elements < 4 * 256 else large
-        ),
+    _check_path_of_each_batch(
+        layers.InstanceNormalization, (4, 4, 16), (1, 2), small, large, policy_name
     )
-    implementations = {
-        _path_choice.KERAS_FORMULA: (_keras_formula, "keras_formula_normalize"),
-        _path_choice.BATCH_NORM: (_batch_norm_formula, "batch_norm_normalize"),
-        _path_choice.FUSED_KERNELS: (_fused_normalization, "kernels_normalize"),
-    }
-    counters = {small: tf.Variable(0), large: tf.Variable(0)}
-    for path, counter in counters.items():
-        module, name = implementations[path]
-        monkeypatch.setattr(module, name, _counting(getattr(module, name), counter))
-    policy = use_policy(policy_name)
-    compute = policy.compute_dtype
-    layer = layers.InstanceNormalization()
-    layer.build((None, 4, 4, 16))
-    set_random_weights(layer)
-    gamma = np.reshape(as_float64(layer.gamma), (1, 1, 1, 16))
-    beta = np.reshape(as_float64(layer.beta), (1, 1, 1, 16))
-    spec = tf.TensorSpec((None, 4, 4, 16), compute)
-    step = tf.function(lambda x: layer(x), input_signature=[spec])
-    for batch, path in ((2, small), (6, large), (3, small)):
-        before = {name: int(counter.numpy()) for name, counter in counters.items()}
-        x, upstream, x64, upstream64 = float_inputs((batch, 4, 4, 16), 0.0, compute)
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            outputs = step(x)
-        x_grad = tape.gradient(outputs, x, output_gradients=upstream)
-        ref = normalization_reference(x64, upstream64, gamma, beta, 1e-3, (1, 2))
-        assert_close(outputs, ref[0], compute, "outputs")
-        assert_close(x_grad, ref[1], compute, "x gradient")
-        ran = {name for name, c in counters.items() if int(c.numpy()) > before[name]}
-        assert ran == {path}
-    assert step.experimental_get_tracing_count() == 1
+
+
+@pytest.mark.parametrize("policy_name", POLICIES)
+def test_sequences_of_unknown_batch_size_run_the_path_of_each_batch(
+    policy_name, monkeypatch
+):
+    # Layer norm of (batch, sequence, features) runs on (rows, features):
+    # the switch reads the batch's rows and still picks each batch's path.
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
+    _check_path_of_each_batch(
+        layers.LayerNormalization, (8, 32), (2,), kernels, formula, policy_name
+    )
 
 
 @pytest.mark.parametrize("policy_name", POLICIES)

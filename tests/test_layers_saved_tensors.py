@@ -65,8 +65,10 @@ def test_normalization_backward_keeps_input_and_statistics(name, policy, monkeyp
     forward, backward = calls["forward"], calls["backward"]
     x = graph.inputs[0]
     kernel_input = forward.inputs[0]
-    if name == "LayerNormalization":
-        assert kernel_input is x
+    if name == "LayerNormalization":  # (batch, 6, 8) as (rows, 8): a view of x
+        assert kernel_input.op.type == "Reshape"
+        assert kernel_input.op.inputs[0] is x
+        assert kernel_input.shape.as_list() == [None, 8]
     else:  # instance norm's channels as rows: x transposed, not a float32 copy
         assert kernel_input.op.type == "Reshape"
         assert kernel_input.op.inputs[0].op.type == "Transpose"
@@ -74,8 +76,8 @@ def test_normalization_backward_keeps_input_and_statistics(name, policy, monkeyp
     # Full-size tensors read by the backward kernel: the upstream gradient and
     # the kernels' input, in the compute dtype; the rest is per-slice
     # statistics (shape 1 along the normalized axes) and the weights.
-    size = kernel_input.shape.as_list()[1:]
-    full_size = [t for t in backward.inputs if t.shape.as_list()[1:] == size]
+    size = kernel_input.shape.as_list()
+    full_size = [t for t in backward.inputs if t.shape.as_list() == size]
     statistics = [t for t in backward.inputs if t.op is forward]
     assert any(t is kernel_input for t in backward.inputs)
     assert all(t.dtype == compute for t in full_size)

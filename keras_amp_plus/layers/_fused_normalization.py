@@ -31,6 +31,7 @@ import tensorflow as tf
 from keras_amp_plus.layers import (
     _batch_norm_formula,
     _channel_rows,
+    _feature_rows,
     _keras_formula,
     _path_choice,
     _row_buckets,
@@ -176,6 +177,17 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """
     stat_axes = tuple(stat_axes)
     output_dtype = tf.as_dtype(output_dtype)
+    # Layer norm of (batch, sequence, features) as (rows, features): faster
+    # on every path measured. Inputs whose length varies keep their shape
+    # here; the kernels pad their rows to buckets (`kernels_normalize`).
+    if _feature_rows.applies(x, gamma, stat_axes) and not _row_buckets.shapes_vary(x):
+
+        def normalize_rows(rows, gamma, beta, stat_axes):
+            return fused_normalize(rows, gamma, beta, epsilon, stat_axes, output_dtype)
+
+        return _feature_rows.normalize_as_rows(
+            normalize_rows, x, gamma, beta, stat_axes
+        )
 
     trailing = stat_axes == tuple(range(x.shape.rank - len(stat_axes), x.shape.rank))
     batch_norm_applies = _batch_norm_formula.applies(x, gamma, epsilon, stat_axes)
@@ -188,31 +200,37 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
         _path_choice.FUSED_KERNELS: kernels_normalize,
     }
 
-    def run(path):
+    def run(path, x, gamma, beta):
         return implementations[path](x, gamma, beta, epsilon, stat_axes, output_dtype)
 
     if len(paths) == 1:
-        return run(paths[0][1])
-    return _switch_on_batch_size(x, paths, run)
+        return run(paths[0][1], x, gamma, beta)
+    return _switch_on_batch_size(x, gamma, beta, paths, run)
 
 
-def _switch_on_batch_size(x, paths, run):
-    """Run `run(path)` for the path of `x`'s batch size (`tf.switch_case`).
+def _switch_on_batch_size(x, gamma, beta, paths, run):
+    """Run `run(path, x, gamma, beta)` for the path of `x`'s batch size.
 
     Args:
         x: the input, its batch size unknown at trace time.
+        gamma: the scale, as `fused_normalize` takes it.
+        beta: the offset, like `gamma`.
         paths: `_path_choice.paths_by_batch_size` runs, more than one.
-        run: maps a path to the normalized `x` by that implementation.
+        run: maps a path and the tensors to the normalized `x` by that
+            implementation.
     """
     distinct = sorted({path for _, path in paths})
     branch_of_run = tf.constant([distinct.index(path) for _, path in paths])
     firsts = tf.constant([first for first, _ in paths[1:]], tf.int64)
     batch = tf.cast(tf.shape(x)[0], tf.int64)
     run_index = tf.reduce_sum(tf.cast(batch >= firsts, tf.int32))
-    # Each branch is a function of its own: a `tf.custom_gradient` (the
-    # kernels') directly in a branch fails to differentiate in graph mode
-    # (TensorFlow issue 50170), inside a called function it does not.
-    branches = [tf.function(functools.partial(run, path)) for path in distinct]
+    # Each branch calls a function of its own, which takes the tensors as
+    # arguments: a `tf.custom_gradient` (the kernels') directly in a branch
+    # fails to differentiate in graph mode (TensorFlow issue 50170), and one
+    # whose input is a tensor the branch captured fails when a tape outside
+    # the step differentiates it (cond_v2 asserts on the captured input).
+    functions = [tf.function(functools.partial(run, path)) for path in distinct]
+    branches = [functools.partial(function, x, gamma, beta) for function in functions]
     outputs = tf.switch_case(tf.gather(branch_of_run, run_index), branches)
     outputs.set_shape(x.shape)
     return outputs
@@ -221,8 +239,9 @@ def _switch_on_batch_size(x, paths, run):
 def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """`fused_normalize` by the fused kernels (the path `_path_calibration` races).
 
-    Instance norm's channels run as rows (`_channel_rows`), variable-length
-    inputs in padded row buckets (`_row_buckets`), anything else as it comes.
+    Instance norm's channels run as rows (`_channel_rows`), layer norm's
+    leading axes flattened into rows (`_feature_rows`), padded to row buckets
+    where their length varies (`_row_buckets`), anything else as it comes.
     """
     stat_axes = tuple(stat_axes)
     output_dtype = tf.as_dtype(output_dtype)
@@ -237,9 +256,10 @@ def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
         return _channel_rows.normalize_as_rows(normalize, x, gamma, beta)
     # Variable-length inputs would compile new XLA kernels at every new shape.
     if _row_buckets.applies(x, gamma, stat_axes):
-        return _row_buckets.normalize_in_row_buckets(
-            normalize, x, gamma, beta, stat_axes
-        )
+        normalize = _row_buckets.in_padded_rows(normalize)
+    # Layer norm: the kernels' weight-gradient sums are fastest over one axis.
+    if _feature_rows.applies(x, gamma, stat_axes):
+        return _feature_rows.normalize_as_rows(normalize, x, gamma, beta, stat_axes)
     return normalize(x, gamma, beta, stat_axes)
 
 

@@ -91,29 +91,32 @@ def elementwise_in_buckets(function, x):
     return outputs
 
 
-def normalize_in_row_buckets(normalize, x, gamma, beta, stat_axes):
-    """Apply `normalize(x_rows, gamma_row, beta_row, stat_axes=(1,))` on rows.
+def in_padded_rows(normalize):
+    """Return `normalize` on `(rows, features)` inputs padded to a row bucket.
 
     Args:
-        normalize: the normalization on a rank-2 `(rows, features)` input.
-        x: the input, with `applies(x, gamma, stat_axes)` True.
-        gamma: the scale, broadcastable against `x`.
-        beta: the offset, same shape as `gamma`.
-        stat_axes: the trailing axes the statistics are taken over.
+        normalize: the normalization of a rank-2 `(rows, features)` input
+            over its features, `normalize(rows, gamma, beta, stat_axes)`.
 
     Returns:
-        The normalized `x`, in its original shape.
+        The same function, run on the rows padded with zeros up to
+        `bucket_rows(rows)` and sliced back (`_feature_rows` flattens the
+        input to rows).
+
+    Example:
+    >>> import tensorflow as tf
+    >>> shapes = []
+    >>> def record(rows, gamma, beta, stat_axes):
+    ...     shapes.append(tuple(rows.shape))
+    ...     return rows
+    >>> out = in_padded_rows(record)(tf.ones([5, 2]), 1.0, 0.0, (1,))
+    >>> shapes, tuple(out.shape)
+    ([(6, 2)], (5, 2))
     """
-    features = math.prod(x.shape[axis] for axis in stat_axes)
-    x_rows = tf.reshape(x, [-1, features])
-    rows = tf.shape(x_rows, out_type=tf.int64)[0]
-    x_rows = tf.pad(x_rows, [[0, bucket_rows(rows) - rows], [0, 0]])
-    outputs = normalize(
-        x_rows,
-        tf.reshape(gamma, [1, features]),
-        tf.reshape(beta, [1, features]),
-        (1,),
-    )
-    outputs = tf.reshape(outputs[:rows], tf.shape(x))
-    outputs.set_shape(x.shape)
-    return outputs
+
+    def normalize_padded(x_rows, gamma, beta, stat_axes):
+        rows = tf.shape(x_rows, out_type=tf.int64)[0]
+        padded = tf.pad(x_rows, [[0, bucket_rows(rows) - rows], [0, 0]])
+        return normalize(padded, gamma, beta, stat_axes)[:rows]
+
+    return normalize_padded

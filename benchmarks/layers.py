@@ -4,7 +4,9 @@ For each layer, policy (`float32`, `mixed_bfloat16`, `mixed_float16`), step
 kind and shape of a grid of shapes real models use:
 
 - LayerNormalization vs `keras.layers.LayerNormalization`, rows x features
-  from 512 x 256 to 16384 x 1024 (batch x sequence flattened);
+  from 512 x 256 to 16384 x 1024 (batch x sequence flattened), fed as a
+  transformer feeds it: (rows / 128, 128, features) (`--sequence`; 0 feeds
+  the 2-D rows);
 - InstanceNormalization vs `keras.layers.GroupNormalization(groups=-1)`,
   NHWC from 8 x 16 x 16 x 32 to 32 x 64 x 64 x 128;
 - Swish vs `keras.layers.Activation("swish")`, 0.5M to 32M elements;
@@ -42,7 +44,8 @@ The header names the CPU and its bfloat16 features; the JSON written to
 `benchmarks/results/` (named per CPU kind) carries them with every cell.
 
 Usage: python benchmarks/layers.py [--quick] [--reps N] [--policies ...]
-    [--steps graph xla] [--layers LN IN Swish] [--no-calibrate] [--control]
+    [--steps graph xla] [--layers LN IN Swish] [--sequence N]
+    [--no-calibrate] [--control]
     [--floor] [--output PATH]
 """
 
@@ -107,6 +110,14 @@ QUICK_GRID = {
     "IN": [(8, 16, 16, 32), (8, 64, 64, 32)],
     "Swish": [(512, 1024), (2048, 2048)],
 }
+
+
+def fed_shape(kind, shape, sequence):
+    """Return the input shape of a cell: layer norm's rows split into sequences."""
+    rows, features = shape if kind == "LN" else (None, None)
+    if not sequence or rows is None or rows % sequence:
+        return tuple(shape)
+    return (rows // sequence, sequence, features)
 
 
 def layer_pair(kind):
@@ -193,8 +204,11 @@ def check_close(ours_out, keras_out, dtype):
     return error
 
 
-def time_cell(kind, shape, policy, step_kind, reps, floor=False, control=False):
+def time_cell(
+    kind, cell, policy, step_kind, reps, floor=False, control=False, sequence=0
+):
     """Return one grid cell: median ms of ours and Keras's, and their ratio."""
+    shape = fed_shape(kind, cell, sequence)
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
@@ -242,7 +256,8 @@ def time_cell(kind, shape, policy, step_kind, reps, floor=False, control=False):
     return {
         **floor_cells,
         "layer": kind,
-        "shape": list(shape),
+        "shape": list(cell),
+        "input_shape": list(shape),
         "elements": int(np.prod(shape)),
         "policy": policy,
         "step": step_kind,
@@ -312,6 +327,12 @@ def parse_args():
     parser.add_argument(
         "--control", action="store_true", help="also time Keras's layer again (A/A)"
     )
+    parser.add_argument(
+        "--sequence",
+        type=int,
+        default=128,
+        help="feed layer norm (rows/N, N, features); 0: (rows, features)",
+    )
     parser.add_argument("--output", type=pathlib.Path, default=None)
     return parser.parse_args()
 
@@ -353,7 +374,14 @@ def main():
             for policy in args.policies:
                 for step_kind in args.steps:
                     row = time_cell(
-                        kind, shape, policy, step_kind, reps, args.floor, args.control
+                        kind,
+                        shape,
+                        policy,
+                        step_kind,
+                        reps,
+                        args.floor,
+                        args.control,
+                        args.sequence,
                     )
                     floor = row.get("floor_ratio")
                     control = row.get("control_ratio")
@@ -377,6 +405,7 @@ def main():
         "keras": keras.__version__,
         "reps": reps,
         "quick": args.quick,
+        "sequence": args.sequence,
         "command": " ".join(["python", *sys.argv]),
         "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
         "path_calibration": calibration,

@@ -146,8 +146,13 @@ def _normalize_backward(upstream, x, statistics, gamma, stat_axes, param_reduce_
         scaled_mean = _mean_over_axes(scaled, stat_axes)
         projection = _mean_over_axes(scaled * normalized, stat_axes)
         x_grad = inverse_stddev * (scaled - scaled_mean - normalized * projection)
-        gamma_grad = _sum_over_axes(upstream_normalized, param_reduce_axes)
-        beta_grad = _sum_over_axes(upstream_wide, param_reduce_axes)
+        # Both weight gradients in one reduction: inside a model XLA compiles
+        # whole, XLA folds the rows reshape of a (batch, sequence, features)
+        # upstream gradient into a lone reduction of it, then over two axes,
+        # which ran 3x slower than over the rows; stacked, it cannot.
+        both = tf.stack([upstream_normalized, upstream_wide])
+        axes = [axis + 1 for axis in param_reduce_axes]
+        gamma_grad, beta_grad = tf.unstack(tf.reduce_sum(both, axes, keepdims=True))
     return tf.cast(x_grad, x.dtype), gamma_grad, beta_grad
 
 

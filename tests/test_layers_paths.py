@@ -22,7 +22,7 @@ from conftest import (
     use_policy,
 )
 
-from keras_amp_plus import layers
+from keras_amp_plus import _compat, layers
 from keras_amp_plus.layers import (
     _batch_norm_formula,
     _fused_normalization,
@@ -558,3 +558,61 @@ def test_unknown_path_variable_raises(monkeypatch):
     monkeypatch.setenv(_path_choice.PATH_VARIABLE, "fastest")
     with pytest.raises(ValueError, match="Received: KERAS_AMP_PLUS"):
         layers.LayerNormalization()(np.zeros((2, 3), "float32"))
+
+
+def _swish_graph_ops(layer, x):
+    """Return the op types of `layer`'s forward + backward in a graph step."""
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = layer(x)
+        return outputs, tape.gradient(outputs, x)
+
+    graph = step.get_concrete_function(x).graph
+    ops = {op.type for op in graph.get_operations()}
+    calls = {
+        op.get_attr("f").name
+        for op in graph.get_operations()
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall")
+    }
+    return step, ops, calls
+
+
+@pytest.mark.parametrize("onednn", (True, False))
+def test_bfloat16_swish_forward_is_onednn_swish_where_onednn_is_on(onednn, monkeypatch):
+    # Grappler fuses `x * sigmoid(x)` into oneDNN's swish kernel where oneDNN
+    # is on; elsewhere (oneDNN off, trainable or other beta) the XLA kernel.
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: onednn)
+    x = tf.cast(tf.random.normal([16, 64], 0.0, 4.0, seed=3), tf.bfloat16)
+    plain = layers.Swish(dtype="mixed_bfloat16")
+    _, ops, calls = _swish_graph_ops(plain, x)
+    assert ("Sigmoid" in ops) is onednn
+    assert any("_swish_forward" in name for name in calls) is not onednn
+    assert any("_swish_backward" in name for name in calls)
+    for other in ({"beta": 1.5}, {"trainable_beta": True}):
+        _, ops, calls = _swish_graph_ops(
+            layers.Swish(**other, dtype="mixed_bfloat16"), x
+        )
+        assert "Sigmoid" not in ops
+        assert any("_swish_forward" in name for name in calls)
+    float32 = layers.Swish(dtype="float32")
+    _, ops, _ = _swish_graph_ops(float32, tf.cast(x, tf.float32))
+    assert "Sigmoid" not in ops
+
+
+def test_bfloat16_swish_in_a_graph_step_is_rounded_once():
+    # Either forward (oneDNN's fused kernel, the XLA kernel) computes in float32
+    # and rounds once: within half a bfloat16 unit of the float64 value. Two
+    # roundings (a bfloat16 sigmoid, then the product) measured up to 3.
+    layer = layers.Swish(dtype="mixed_bfloat16")
+    x = tf.cast(tf.random.normal([256, 1024], 0.0, 4.0, seed=1), tf.bfloat16)
+    step, _, _ = _swish_graph_ops(layer, x)
+    outputs, x_grad = step(x)
+    x64 = as_float64(x)
+    expected, expected_grad, _ = swish_reference(x64, np.ones_like(x64), 1.0)
+    nonzero = np.abs(expected) > 1e-30
+    error = np.abs(as_float64(outputs) - expected)[nonzero] / np.abs(expected[nonzero])
+    assert error.max() <= 2.0**-8
+    assert_close(x_grad, expected_grad, "bfloat16", "x gradient")

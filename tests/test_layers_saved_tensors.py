@@ -9,7 +9,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from keras_amp_plus import layers
+from keras_amp_plus import _compat, layers
 from keras_amp_plus.layers import _path_choice
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -51,6 +51,22 @@ def test_swish_backward_reads_only_the_input(policy):
     upstream, saved_x, beta = backward.inputs
     assert saved_x is x and saved_x.dtype == compute
     assert beta.shape.rank == 0 and upstream.dtype == compute
+
+
+def test_onednn_swish_forward_leaves_its_sigmoid_to_the_product(monkeypatch):
+    # oneDNN's fused kernel replaces `x * sigmoid(x)` only where the sigmoid
+    # has no other reader: the backward pass must read x, not the sigmoid.
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    graph, calls = _kernel_calls(layers.Swish(), "bfloat16")
+    [sigmoid] = [op for op in graph.get_operations() if op.type == "Sigmoid"]
+    x = graph.inputs[0]
+    assert sigmoid.inputs[0] is x
+    [product] = sigmoid.outputs[0].consumers()
+    assert product.type == "Mul" and x in list(product.inputs)
+    upstream, saved_x, beta = calls["backward"].inputs
+    assert saved_x is x and beta.shape.rank == 0
+    assert upstream.dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("policy", POLICIES)

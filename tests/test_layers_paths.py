@@ -314,6 +314,21 @@ def test_steps_of_unknown_batch_size_follow_their_own_measurements():
     assert _path_calibration.measured_path(128, False, "float32", True) == kernels
 
 
+def test_unmeasured_steps_of_unknown_batch_size_take_the_safe_side():
+    # No measurement: the kernels, but for instance norms too small to pay
+    # for their XLA launches and transposes.
+    kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
+    for elements, trailing, expected in (
+        (2**16, False, formula),
+        (2**18, False, kernels),
+        (2**16, True, kernels),
+    ):
+        path = _path_choice._graph_step_path(
+            elements, trailing, "bfloat16", False, True
+        )
+        assert path == expected, (elements, trailing)
+
+
 def test_graph_step_follows_the_measured_winner(monkeypatch):
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
     monkeypatch.setattr(_path_choice, "cpu_has_avx512", lambda: True)
@@ -387,11 +402,13 @@ def test_measure_paths_caches_winners_per_machine(monkeypatch):
     assert set(cached[3]["ratios"]) == {"fused_kernels", "keras_formula", "batch_norm"}
     for cell in cached:
         # The formula is the safe side at a known batch size, the kernels at
-        # any: another path must beat it by the margin.
+        # any (but for small instance norms): another path must beat it by
+        # the margin.
         ratios = cell["ratios"]
+        small_middle = not cell["trailing"] and cell["elements"] < 2**17
         safe = (
             _path_choice.FUSED_KERNELS
-            if cell["unknown_batch"]
+            if cell["unknown_batch"] and not small_middle
             else _path_choice.KERAS_FORMULA
         )
         fastest = min(ratios, key=ratios.get)

@@ -45,6 +45,11 @@ DTYPES = ("bfloat16", "float32")
 # Another path must be this much faster than the safe one (`safe_path`) to be
 # chosen: on a loaded machine a median of a few calls moves by 10-15%.
 WIN_MARGIN = 0.85
+# In steps traced for any batch size, instance norm below this many elements
+# keeps Keras's formula as the safe side: there the kernels' two XLA launches
+# and two transposes cost more than they save (the race measured them at
+# 1.14-1.55x the formula at 65k elements and 0.67-0.82x at 262k).
+KERNELS_SAFE_MIN_ELEMENTS = 2**17
 # A measurement stands for inputs up to this many octaves of elements away.
 NEAREST_OCTAVES = 2.0
 # Part of the cache key: raise it whenever a raced implementation changes, so
@@ -171,19 +176,31 @@ def _step(normalize, shape, dtype, unknown_batch):
     return lambda: step(x, upstream, gamma, beta)
 
 
-def safe_path(unknown_batch: bool) -> str:
+def safe_path(unknown_batch: bool, trailing_statistics=True, elements=None) -> str:
     """Return the path another must beat by `WIN_MARGIN` to be chosen.
 
     Keras's formula (Keras's own layer) in steps traced for their batch size;
     the kernels in steps traced for any batch size, where TensorFlow's
     kernels lose optimizations a known shape allows and XLA's do not (and
-    where the layers ran the kernels before these steps were measured).
+    where the layers ran the kernels before these steps were measured),
+    except for instance norm below `KERNELS_SAFE_MIN_ELEMENTS`.
+
+    Args:
+        unknown_batch: whether the step is traced for any batch size.
+        trailing_statistics: True for statistics over trailing axes (layer
+            norm). Defaults to `True`.
+        elements: the input's number of elements, or None (large).
 
     Example:
     >>> safe_path(unknown_batch=True)
     'fused_kernels'
+    >>> safe_path(unknown_batch=True, trailing_statistics=False, elements=2**16)
+    'keras_formula'
     """
-    return FUSED_KERNELS if unknown_batch else KERAS_FORMULA
+    small = elements is not None and elements < KERNELS_SAFE_MIN_ELEMENTS
+    if unknown_batch and (trailing_statistics or not small):
+        return FUSED_KERNELS
+    return KERAS_FORMULA
 
 
 def _time_pair(steps, reps):
@@ -248,7 +265,7 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
             medians = _time_pair(steps, reps)
             ratios = {name: t / medians[KERAS_FORMULA] for name, t in medians.items()}
             fastest = min(ratios, key=ratios.get)
-            safe = safe_path(unknown_batch)
+            safe = safe_path(unknown_batch, len(shape) == 2, math.prod(shape))
             cells.append(
                 {
                     "trailing": len(shape) == 2,

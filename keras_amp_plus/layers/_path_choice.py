@@ -29,8 +29,9 @@ of machine:
   `tf.data` pipeline without `drop_remainder`, or a partial last batch), the
   winner measured in steps traced that way for each batch size
   (`paths_by_batch_size`), switched at run time; there the kernels are the
-  safe side (`_path_calibration.safe_path`) and run where nothing was
-  measured, or where other sizes vary too (row buckets).
+  safe side (`_path_calibration.safe_path`; Keras's formula for small
+  instance norms) and run where nothing was measured, or where other sizes
+  vary too (row buckets).
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
   leaves XLA-compiled functions alone.
@@ -234,8 +235,8 @@ def _graph_step_path(
         measured = None
     if measured is not None:
         return measured
-    if unknown_batch:  # as before such steps were measured
-        return FUSED_KERNELS
+    if unknown_batch:  # the safe side of such steps' measurements
+        return _path_calibration.safe_path(True, trailing_statistics, elements)
     if large or (trailing_statistics and cpu_has_avx512()):
         return FUSED_KERNELS
     width = "float32" if tf.as_dtype(dtype).size >= 4 else "half"

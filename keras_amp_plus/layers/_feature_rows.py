@@ -5,10 +5,10 @@ Statistics over the trailing axes of a `(batch, sequence, features)` input
 `(batch * sequence, features)` reshape, a view of the same memory. Every
 implementation computes the same result either way, but not at the same
 speed: XLA reduces the weights' gradients over two leading axes in a slower
-loop than over one. Flattened, the fused kernels ran 20-57% faster in graph
-steps and 19-38% faster inside XLA-compiled steps, Keras's formula 14-25%
-faster inside XLA and the same in graph steps (`benchmarks/layers.py`
-feeds its layer-norm cells this way).
+loop than over one. Flattened, both the fused kernels and Keras's formula
+ran faster inside XLA-compiled steps, and the kernels in graph steps too
+(`benchmarks/layers.py` feeds its layer-norm cells this way; the README has
+the figures).
 """
 
 import math

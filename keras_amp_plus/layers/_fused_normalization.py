@@ -149,7 +149,7 @@ def _normalize_backward(upstream, x, statistics, gamma, stat_axes, param_reduce_
         # Both weight gradients in one reduction: inside a model XLA compiles
         # whole, XLA folds the rows reshape of a (batch, sequence, features)
         # upstream gradient into a lone reduction of it, then over two axes,
-        # which ran 3x slower than over the rows; stacked, it cannot.
+        # several times slower than over the rows; stacked, it cannot.
         both = tf.stack([upstream_normalized, upstream_wide])
         axes = [axis + 1 for axis in param_reduce_axes]
         gamma_grad, beta_grad = tf.unstack(tf.reduce_sum(both, axes, keepdims=True))

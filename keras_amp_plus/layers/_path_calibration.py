@@ -47,8 +47,8 @@ DTYPES = ("bfloat16", "float32")
 WIN_MARGIN = 0.85
 # In steps traced for any batch size, instance norm below this many elements
 # keeps Keras's formula as the safe side: there the kernels' two XLA launches
-# and two transposes cost more than they save (the race measured them at
-# 1.14-1.55x the formula at 65k elements and 0.67-0.82x at 262k).
+# and two transposes cost more than they save (slower than the formula in
+# every race at the grid's 65k-element shape, faster at its 262k one).
 KERNELS_SAFE_MIN_ELEMENTS = 2**17
 # A measurement stands for inputs up to this many octaves of elements away.
 NEAREST_OCTAVES = 2.0

@@ -619,6 +619,28 @@ def test_bfloat16_swish_forward_is_onednn_swish_where_onednn_is_on(onednn, monke
     assert "Sigmoid" not in ops
 
 
+@pytest.mark.parametrize(
+    "options", ({"remapping": False}, {"disable_meta_optimizer": True})
+)
+def test_bfloat16_swish_forward_is_xla_without_grappler_remapping(options, monkeypatch):
+    # Unfused, the two ops would run slower and round twice.
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
+    previous = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options(options)
+    try:
+        x = tf.cast(tf.random.normal([16, 64], 0.0, 4.0, seed=3), tf.bfloat16)
+        _, ops, calls = _swish_graph_ops(layers.Swish(dtype="mixed_bfloat16"), x)
+    finally:
+        for name in options:
+            if name in previous:
+                tf.config.optimizer.set_experimental_options({name: previous[name]})
+            else:
+                _compat.reset_grappler_option(name)
+    assert tf.config.optimizer.get_experimental_options() == previous
+    assert "Sigmoid" not in ops
+    assert any("_swish_forward" in name for name in calls)
+
+
 def test_bfloat16_swish_in_a_graph_step_is_rounded_once():
     # Either forward (oneDNN's fused kernel, the XLA kernel) computes in float32
     # and rounds once: within half a bfloat16 unit of the float64 value. Two

@@ -53,13 +53,14 @@ def normalize_as_rows(normalize, x, gamma, beta, stat_axes):
 
     Example:
     >>> import tensorflow as tf
-    >>> def standardize(rows, gamma, beta, stat_axes):
-    ...     mean, variance = tf.nn.moments(rows, stat_axes, keepdims=True)
-    ...     return (rows - mean) * tf.math.rsqrt(variance) * gamma + beta
-    >>> x = tf.constant([[[1.0, 3.0], [10.0, 30.0]]])  # (1, 2, 2)
-    >>> ones, zeros = tf.ones([1, 1, 2]), tf.zeros([1, 1, 2])
-    >>> normalize_as_rows(standardize, x, ones, zeros, (2,)).numpy().tolist()
-    [[[-1.0, 1.0], [-1.0, 1.0]]]
+    >>> seen = []
+    >>> def record(rows, gamma, beta, stat_axes):
+    ...     seen.append((tuple(rows.shape), tuple(gamma.shape), stat_axes))
+    ...     return rows * gamma + beta
+    >>> ones, zeros = tf.ones([1, 1, 4]), tf.zeros([1, 1, 4])
+    >>> out = normalize_as_rows(record, tf.ones([2, 3, 4]), ones, zeros, (2,))
+    >>> seen, tuple(out.shape)
+    ([((6, 4), (1, 4), (1,))], (2, 3, 4))
     """
     features = math.prod(x.shape[axis] for axis in stat_axes)
     outputs = normalize(

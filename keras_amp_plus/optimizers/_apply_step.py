@@ -1,9 +1,9 @@
 """One scaler step: decide "finite or skipped" once, then apply or record.
 
-One `reduce_all(is_finite(g))` per gradient is all a scaler needs anyway; the
-per-gradient results are kept as a vector, so the same reductions give both
-the skip decision and the per-variable attribution. NaN-vs-Inf is only looked
-at on skipped steps.
+One finite flag per gradient (`_finite_flags`) is all a scaler needs anyway;
+the flags are kept as a vector, so the same reductions give both the skip
+decision and the per-variable attribution. NaN-vs-Inf is only looked at on
+skipped steps.
 
 Three ways to run, like Keras's own scaler:
 - no strategy: decide and update in place;
@@ -23,41 +23,7 @@ from keras_amp_plus.optimizers import (
     _overflow_records,
     _scale_schedule,
 )
-
-
-def _dense_values(gradient):
-    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
-
-
-def finite_flags(grads, positions, num_tracked):
-    """Return a bool vector: is each gradient finite.
-
-    The first `num_tracked` entries follow the build order of the scaler's
-    variables (True for a variable without a gradient); gradients of untracked
-    variables are appended after them so they still count for the decision.
-    """
-    tracked = [None] * num_tracked
-    untracked = []
-    for gradient, position in zip(grads, positions, strict=True):
-        if gradient is None:
-            continue
-        flag = tf.reduce_all(tf.math.is_finite(_dense_values(gradient)))
-        if position is None:
-            untracked.append(flag)
-        else:
-            tracked[position] = flag
-    flags = [tf.constant(True) if f is None else f for f in tracked] + untracked
-    if not flags:
-        return tf.ones([0], tf.bool)
-    return tf.stack(flags)
-
-
-def any_nan(grads):
-    """Return a bool scalar: does any gradient hold a NaN."""
-    flags = [
-        tf.reduce_any(tf.math.is_nan(_dense_values(g))) for g in grads if g is not None
-    ]
-    return tf.reduce_any(tf.stack(flags)) if flags else tf.constant(False)
+from keras_amp_plus.optimizers._finite_flags import any_nan, finite_flags
 
 
 def apply_unscaled(optimizer, grads, trainable_variables):

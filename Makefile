@@ -38,7 +38,7 @@ test: $(PY)
 	$(PY) -m pytest --nbmake notebooks
 
 BENCHMARKS := benchmarks/layers.py benchmarks/training.py benchmarks/loss_scale.py \
-	benchmarks/fused_update.py benchmarks/monitor.py
+	benchmarks/finite_flags.py benchmarks/fused_update.py benchmarks/monitor.py
 
 # The whole tests/ directory: conftest.py skips, with the reason, every module
 # written against Keras 3 APIs, so what runs is the test_itex_* suite.
@@ -53,6 +53,7 @@ bench: $(PY)
 	$(PY) benchmarks/layers.py --control --floor
 	$(PY) benchmarks/training.py
 	$(PY) benchmarks/loss_scale.py
+	$(PY) benchmarks/finite_flags.py
 	$(PY) benchmarks/fused_update.py
 	$(PY) benchmarks/monitor.py
 	$(PY) benchmarks/monitor.py --jit

@@ -19,6 +19,20 @@ NEAR_MAX = {"float16": 6e4, "bfloat16": 3e38, "float32": 3e38, "float64": 1.7e30
 RUNS = ("eager", "graph", "xla")
 
 
+@pytest.fixture(params=["sums", "exact"])
+def check(request, monkeypatch):
+    """Run a test with sums read first (any size), and with the exact check only.
+
+    The gradients here are small: at the default `SUMS_MIN_ELEMENTS` they would
+    take the exact check alone, so "sums" lowers it to 0.
+    """
+    if request.param == "sums":
+        monkeypatch.setattr(_finite_flags, "SUMS_MIN_ELEMENTS", 0)
+    else:
+        monkeypatch.setattr(_finite_flags, "SUMS_MIN_ELEMENTS", 2**62)
+    return request.param
+
+
 def run_flags(run, grads, positions, num_tracked):
     def flags(grads):
         return _finite_flags.finite_flags(grads, positions, num_tracked)
@@ -45,7 +59,7 @@ def gradient_cases(dtype):
 
 @pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
-def test_flags_equal_numpy_isfinite_for_every_case_at_once(run, dtype):
+def test_flags_equal_numpy_isfinite_for_every_case_at_once(run, dtype, check):
     cases = gradient_cases(dtype)
     grads = [tf.constant(values, dtype) for values in cases.values()]
     expected = [bool(np.isfinite(values).all()) for values in cases.values()]
@@ -55,7 +69,7 @@ def test_flags_equal_numpy_isfinite_for_every_case_at_once(run, dtype):
 
 @pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("case", list(gradient_cases("float32")))
-def test_each_case_alone_beside_finite_gradients(run, case):
+def test_each_case_alone_beside_finite_gradients(run, case, check):
     # Alone, a sum that overflows is the only non-finite sum of the step:
     # the exact branch must still clear it.
     values = gradient_cases("float32")[case]
@@ -65,7 +79,7 @@ def test_each_case_alone_beside_finite_gradients(run, case):
 
 
 @pytest.mark.parametrize("run", RUNS)
-def test_missing_and_untracked_gradients_keep_their_places(run):
+def test_missing_and_untracked_gradients_keep_their_places(run, check):
     grads = [tf.constant([INF]), None, tf.constant([NAN]), tf.constant([1.0])]
     # tracked variables 0..2: the first gradient is variable 2, the second
     # (None) variable 0, the third untracked, the fourth variable 1.
@@ -73,7 +87,7 @@ def test_missing_and_untracked_gradients_keep_their_places(run):
     assert flags == [True, True, False, False]
 
 
-def test_indexed_slices_are_checked_by_their_rows():
+def test_indexed_slices_are_checked_by_their_rows(check):
     rows = tf.constant([[1.0, 2.0], [3e38, 3e38]])
     finite = tf.IndexedSlices(rows, tf.constant([0, 3]), tf.constant([5, 2]))
     bad = tf.IndexedSlices(
@@ -85,13 +99,13 @@ def test_indexed_slices_are_checked_by_their_rows():
     ]
 
 
-def test_no_gradients_give_an_empty_vector():
+def test_no_gradients_give_an_empty_vector(check):
     assert _finite_flags.finite_flags([], [], 0).shape == (0,)
     assert _finite_flags.finite_flags([None], [0], 1).numpy().tolist() == [True]
 
 
 @pytest.mark.parametrize("run", RUNS)
-def test_a_step_of_huge_finite_gradients_is_applied_not_skipped(run):
+def test_a_step_of_huge_finite_gradients_is_applied_not_skipped(run, check):
     # Regression guard: a check on sums alone would call this step an overflow
     # (3e38 + 3e38 is Inf in float32) and skip it. (A learning rate of 1e-38
     # would be flushed to zero: TensorFlow's kernels drop float32 denormals.)
@@ -114,3 +128,20 @@ def test_a_step_of_huge_finite_gradients_is_applied_not_skipped(run):
     assert int(optimizer.last_step_skipped.numpy()) == 1
     assert int(optimizer.overflow_count.numpy()) == 1
     np.testing.assert_allclose(variable.numpy(), [-299.0, -298.0], rtol=1e-5)
+
+
+def test_sums_are_read_first_from_the_size_threshold_on():
+    def op_types(grads):
+        graph = (
+            tf.function(lambda *g: _finite_flags.finite_flags(list(g), [0, 1], 2))
+            .get_concrete_function(*grads)
+            .graph
+        )
+        return {op.type for op in graph.get_operations()}
+
+    below = [tf.TensorSpec([8, 8]), tf.TensorSpec([8])]
+    at = [tf.TensorSpec([_finite_flags.SUMS_MIN_ELEMENTS]), tf.TensorSpec([1])]
+    unknown = [tf.TensorSpec([None, 8]), tf.TensorSpec([8])]
+    assert "Sum" not in op_types(below)
+    assert {"Sum", "IsFinite"} <= op_types(at)
+    assert "Sum" in op_types(unknown)

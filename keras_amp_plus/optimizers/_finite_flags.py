@@ -7,14 +7,21 @@ element finite. The converse fails only where the sum itself overflows, so
 when any sum is not finite the exact flags are computed instead, in a
 `tf.cond` branch that runs on such steps only. The flags are therefore the
 exact ones on every step; only their cost differs. Float16 gradients, whose
-sums overflow at 65504, always take the exact check.
+sums overflow at 65504, always take the exact check, and so do gradients too
+small in all for the sums to pay for the `tf.cond` (`SUMS_MIN_ELEMENTS`).
 
 This relies on additions that honour Inf and NaN: TensorFlow's kernels, and
 XLA's CPU backend, whose fast-math mode (which may assume neither occurs) is
 off by default.
 """
 
+import math
+
 import tensorflow as tf
+
+# Below this many gradient elements in all, the check's cost is its op count
+# (the sums and the cond add ops), not its passes over memory.
+SUMS_MIN_ELEMENTS = 1 << 17
 
 
 def dense_values(gradient):
@@ -31,6 +38,13 @@ def _sum_flag(values):
     if values.dtype == tf.float16:
         return _exact_flag(values)
     return tf.math.is_finite(tf.reduce_sum(values))
+
+
+def _sums_pay(values) -> bool:
+    shapes = [v.shape for v in values]
+    if any(shape.rank is None or None in shape for shape in shapes):
+        return True  # unknown at trace time: likely a real model's gradients
+    return sum(math.prod(shape) for shape in shapes) >= SUMS_MIN_ELEMENTS
 
 
 def _arrange(flags, positions, num_tracked):
@@ -73,14 +87,14 @@ def finite_flags(grads, positions, num_tracked):
         return tf.ones([0], tf.bool)
     values = [v for v, _ in present]
     places = [p for _, p in present]
+
+    def exact():
+        return _arrange([_exact_flag(v) for v in values], places, num_tracked)
+
+    if not values or not _sums_pay(values):
+        return exact()
     quick = _arrange([_sum_flag(v) for v in values], places, num_tracked)
-    if not values:
-        return quick
-    return tf.cond(
-        tf.reduce_all(quick),
-        lambda: quick,
-        lambda: _arrange([_exact_flag(v) for v in values], places, num_tracked),
-    )
+    return tf.cond(tf.reduce_all(quick), lambda: quick, exact)
 
 
 def any_nan(grads):

@@ -62,7 +62,9 @@ def gradient_cases(dtype):
 def test_flags_equal_numpy_isfinite_for_every_case_at_once(run, dtype, check):
     cases = gradient_cases(dtype)
     grads = [tf.constant(values, dtype) for values in cases.values()]
-    expected = [bool(np.isfinite(values).all()) for values in cases.values()]
+    # The reference is NumPy's, of the values as the dtype holds them.
+    held = [tf.cast(g, tf.float64).numpy() for g in grads]
+    expected = [bool(np.isfinite(values).all()) for values in held]
     positions = list(range(len(grads)))
     assert run_flags(run, grads, positions, len(grads)) == expected
 
@@ -97,6 +99,13 @@ def test_indexed_slices_are_checked_by_their_rows(check):
         True,
         False,
     ]
+
+
+def test_arrays_lists_and_variables_are_taken_as_gradients(check):
+    # `apply()` hands its gradients through unconverted.
+    grads = [np.array([1.0, NAN]), [2.0, 3.0], keras.Variable([INF, 1.0])]
+    flags = _finite_flags.finite_flags(grads, [0, 1, 2], 3)
+    assert flags.numpy().tolist() == [False, True, False]
 
 
 def test_no_gradients_give_an_empty_vector(check):

@@ -25,8 +25,14 @@ SUMS_MIN_ELEMENTS = 1 << 17
 
 
 def dense_values(gradient):
-    """Return the values of a gradient: a tensor's own, an IndexedSlices' rows."""
-    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    """Return the values of a gradient as a tensor: an IndexedSlices' rows.
+
+    `apply()` may be handed variables, NumPy arrays or lists as gradients;
+    they are converted here, as `tf.math.is_finite` would convert them.
+    """
+    if isinstance(gradient, tf.IndexedSlices):
+        return gradient.values
+    return tf.convert_to_tensor(gradient)
 
 
 def _exact_flag(values):
@@ -40,7 +46,7 @@ def _sum_flag(values):
     return tf.math.is_finite(tf.reduce_sum(values))
 
 
-def _sums_pay(values) -> bool:
+def _sums_pay(values):
     shapes = [v.shape for v in values]
     if any(shape.rank is None or None in shape for shape in shapes):
         return True  # unknown at trace time: likely a real model's gradients
@@ -64,7 +70,8 @@ def finite_flags(grads, positions, num_tracked):
     """Return a bool vector: is each gradient finite.
 
     Args:
-        grads: the gradients (tensors, IndexedSlices or None).
+        grads: the gradients: tensors (or what converts to one),
+            IndexedSlices or None.
         positions: for each gradient, its variable's index among the
             scaler's `num_tracked` variables, or None for an untracked one.
         num_tracked: how many variables the scaler tracks.

@@ -62,7 +62,6 @@ class _StepWrapped:
 _FAR_MEAN = {
     _path_choice.FUSED_KERNELS: 1000.0,
     _path_choice.KERAS_FORMULA: 100.0,
-    _path_choice.XLA_FORMULA: 100.0,
     _path_choice.BATCH_NORM: 1000.0,
 }
 
@@ -70,12 +69,7 @@ _FAR_MEAN = {
 @pytest.mark.parametrize("jit_compile", (False, True))
 @pytest.mark.parametrize(
     "path",
-    (
-        _path_choice.FUSED_KERNELS,
-        _path_choice.KERAS_FORMULA,
-        _path_choice.XLA_FORMULA,
-        _path_choice.BATCH_NORM,
-    ),
+    (_path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM),
 )
 @pytest.mark.parametrize("policy_name", POLICIES)
 def test_each_path_matches_float64_in_graph_and_xla(
@@ -121,7 +115,6 @@ def _check_path_of_each_batch(make_layer, sample, stat_axes, small, large, polic
     """`make_layer()` traced once for any batch size runs each batch's path."""
     implementations = {
         _path_choice.KERAS_FORMULA: (_keras_formula, "keras_formula_normalize"),
-        _path_choice.XLA_FORMULA: (_keras_formula, "xla_formula_normalize"),
         _path_choice.BATCH_NORM: (_batch_norm_formula, "batch_norm_normalize"),
         _path_choice.FUSED_KERNELS: (_fused_normalization, "kernels_normalize"),
     }
@@ -170,9 +163,8 @@ def _check_path_of_each_batch(make_layer, sample, stat_axes, small, large, polic
     (
         (_path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM),
         (_path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA),
-        (_path_choice.FUSED_KERNELS, _path_choice.XLA_FORMULA),
     ),
-    ids=("formula_then_batch_norm", "kernels_then_formula", "kernels_then_xla"),
+    ids=("formula_then_batch_norm", "kernels_then_formula"),
 )
 def test_an_unknown_batch_size_runs_the_path_of_each_batch(
     small, large, policy_name, monkeypatch
@@ -324,24 +316,17 @@ def test_steps_of_unknown_batch_size_follow_their_own_measurements():
 
 def test_unmeasured_steps_of_unknown_batch_size_take_the_safe_side():
     # No measurement: the kernels, but for instance norms too small to pay
-    # for their XLA launches and transposes, and float32 ones so large that
-    # the kernels' transposes cost more than the formula compiled by XLA.
+    # for their XLA launches and transposes.
     kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
-    compiled = _path_choice.XLA_FORMULA
-    for elements, trailing, dtype, expected in (
-        (2**16, False, "bfloat16", formula),
-        (2**18, False, "bfloat16", kernels),
-        (2**16, True, "bfloat16", kernels),
-        (2**16, False, "float32", formula),
-        (2**18, False, "float32", kernels),
-        (2**24, False, "float32", compiled),
-        (2**24, False, "bfloat16", kernels),
-        (2**24, False, "float16", kernels),
+    for elements, trailing, expected in (
+        (2**16, False, formula),
+        (2**18, False, kernels),
+        (2**16, True, kernels),
     ):
-        path = _path_choice._graph_step_path(elements, trailing, dtype, False, True)
-        assert path == expected, (elements, trailing, dtype)
-    # Where the batch size is known, Keras's formula is the side to beat.
-    assert _path_calibration.safe_path(False, False, 2**24) == formula
+        path = _path_choice._graph_step_path(
+            elements, trailing, "bfloat16", False, True
+        )
+        assert path == expected, (elements, trailing)
 
 
 def test_graph_step_follows_the_measured_winner(monkeypatch):
@@ -414,8 +399,7 @@ def test_measure_paths_caches_winners_per_machine(monkeypatch):
         cached = json.load(file)["cells"]
     assert cached == result["cells"]
     assert set(cached[1]["ratios"]) == {"fused_kernels", "keras_formula"}
-    middle_paths = {"fused_kernels", "keras_formula", "xla_formula", "batch_norm"}
-    assert set(cached[3]["ratios"]) == middle_paths
+    assert set(cached[3]["ratios"]) == {"fused_kernels", "keras_formula", "batch_norm"}
     for cell in cached:
         # The formula is the safe side at a known batch size, the kernels at
         # any (but for small instance norms): another path must beat it by
@@ -545,37 +529,6 @@ def test_graph_step_instance_norm_takes_batch_norm_from_its_size(monkeypatch):
     assert _path_taken(True, 1000, monkeypatch, False, "bfloat16", True) == formula
     monkeypatch.setattr(_path_choice, "cpu_has_avx512", lambda: False)
     assert _path_taken(False, 1000, monkeypatch, True, "bfloat16", False) == formula
-
-
-def test_compiled_formula_runs_forward_and_backward_under_xla():
-    # The path's point in a graph step: TensorFlow compiles the gradient of a
-    # jit-compiled function too, so neither pass runs TensorFlow's kernels.
-    x = tf.random.normal((2, 4, 4, 8))
-    gamma, beta = tf.ones((1, 1, 1, 8)), tf.zeros((1, 1, 1, 8))
-
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch([x, gamma, beta])
-            outputs = _keras_formula.xla_formula_normalize(
-                x, gamma, beta, 1e-3, (1, 2), tf.float32
-            )
-        return tape.gradient(outputs, [x, gamma, beta])
-
-    graph = step.get_concrete_function(x).graph.as_graph_def()
-    called = {
-        node.attr["f"].func.name for node in graph.node if node.op == "PartitionedCall"
-    }
-    compiled = {
-        function.signature.name
-        for function in graph.library.function
-        if function.attr["_XlaMustCompile"].b
-    }
-    assert len(called) == 2
-    assert any("backward" in name for name in called)
-    assert called <= compiled
-    # No TensorFlow reduction or elementwise op of the formula in the step.
-    assert not {node.op for node in graph.node} & {"Mean", "Sum", "Rsqrt", "Mul"}
 
 
 def test_batch_norm_path_only_where_the_kernel_applies(monkeypatch):

@@ -202,7 +202,6 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     implementations = {
         _path_choice.BATCH_NORM: _batch_norm_formula.batch_norm_normalize,
         _path_choice.KERAS_FORMULA: _keras_formula.keras_formula_normalize,
-        _path_choice.XLA_FORMULA: _keras_formula.xla_formula_normalize,
         _path_choice.FUSED_KERNELS: kernels_normalize,
     }
 

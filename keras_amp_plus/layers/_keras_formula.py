@@ -12,12 +12,6 @@ or float64) whatever the input dtype. As in Keras's layers, `x * inv` and
 `mean * inv` cancel for inputs far from zero: relative to the output, about
 `|mean| / stddev` float32 roundings, below one bfloat16 or float16 rounding
 unless the mean exceeds the standard deviation ~1000-fold.
-
-In graph steps the formula also runs compiled (`xla_formula_normalize`): XLA
-fuses its forward pass and, separately, the gradient TensorFlow derives for
-it, with no transposes (the fused kernels take instance norm's statistics
-over channel rows) and none of the optimizations TensorFlow's kernels lose
-when the batch size is unknown at trace time.
 """
 
 import tensorflow as tf
@@ -47,22 +41,3 @@ def keras_formula_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     inverse = tf.math.rsqrt(variance + epsilon) * gamma
     outputs = x_wide * inverse + (beta - mean * inverse)
     return tf.cast(outputs, output_dtype)
-
-
-@tf.function(jit_compile=True)
-def xla_formula_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
-    """`keras_formula_normalize`, its forward and backward pass compiled by XLA.
-
-    TensorFlow compiles the gradient of a `jit_compile=True` function with
-    XLA too, so in a graph step this is two XLA launches, like the fused
-    kernels; inside an XLA-compiled model it is inlined as the formula.
-
-    Example:
-    >>> import tensorflow as tf
-    >>> x = tf.constant([[1000.0, 1001.0, 1002.0]])
-    >>> ones, zeros = tf.ones([1, 3]), tf.zeros([1, 3])
-    >>> out = xla_formula_normalize(x, ones, zeros, 1e-3, (1,), tf.float32)
-    >>> [round(float(v), 2) for v in out[0]]
-    [-1.22, 0.0, 1.22]
-    """
-    return keras_formula_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype)

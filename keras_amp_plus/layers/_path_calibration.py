@@ -4,10 +4,10 @@ In a graph step (no XLA around the model) the fused kernels and Keras's
 formula race per shape, and which one wins below the matrix-product size
 depends on the CPU (its vector width, whether TensorFlow turns oneDNN on) and
 on TensorFlow's kernels. `measure_paths` times them (for middle axes also
-TensorFlow's fused batch-norm kernel, `_batch_norm_formula`, and the formula
-compiled by XLA) on a few sizes per kind of statistics (trailing axes: layer
-norm; middle axes: instance norm) and input precision, forward + backward,
-interleaved, medians of process CPU time, and writes the winners to a JSON file in
+TensorFlow's fused batch-norm kernel, `_batch_norm_formula`) on a few sizes per kind
+of statistics (trailing axes: layer norm; middle axes: instance norm) and
+input precision, forward + backward, interleaved, medians of process CPU
+time, and writes the winners to a JSON file in
 `keras_amp_plus._hardware.cache_dir()` named after the CPU model, its
 features, the TensorFlow version, the oneDNN switch and the revision of the
 raced implementations.
@@ -34,7 +34,6 @@ from keras_amp_plus import _compat, _hardware
 FUSED_KERNELS = "fused_kernels"
 KERAS_FORMULA = "keras_formula"
 BATCH_NORM = "batch_norm"
-XLA_FORMULA = "xla_formula"
 
 # Shapes timed, smallest first. Trailing axes: below the matrix-product size,
 # where the answer differs between CPUs (above it the kernels won everywhere
@@ -51,17 +50,11 @@ WIN_MARGIN = 0.85
 # and two transposes cost more than they save (slower than the formula in
 # every race at the grid's 65k-element shape, faster at its 262k one).
 KERNELS_SAFE_MIN_ELEMENTS = 2**17
-# From this many elements on, float32 instance norm in such steps keeps the
-# formula compiled by XLA as the safe side: there the kernels' sums are matrix
-# products after two full transposes, and at the grid's largest shape they
-# ran slower than Keras's layer while the compiled formula ran faster.
-# Half-width inputs keep the kernels, which read them at half width.
-XLA_FORMULA_SAFE_MIN_ELEMENTS = 2**22
 # A measurement stands for inputs up to this many octaves of elements away.
 NEAREST_OCTAVES = 2.0
 # Part of the cache key: raise it whenever a raced implementation changes, so
 # that winners measured on the earlier code are measured again, not reused.
-PATHS_REVISION = 5
+PATHS_REVISION = 4
 
 
 @functools.cache
@@ -183,44 +176,31 @@ def _step(normalize, shape, dtype, unknown_batch):
     return lambda: step(x, upstream, gamma, beta)
 
 
-def safe_path(
-    unknown_batch: bool, trailing_statistics=True, elements=None, dtype="float32"
-) -> str:
+def safe_path(unknown_batch: bool, trailing_statistics=True, elements=None) -> str:
     """Return the path another must beat by `WIN_MARGIN` to be chosen.
 
-    Keras's formula (Keras's own layer) in steps traced for their batch size.
-    In steps traced for any batch size, where TensorFlow's kernels lose
-    optimizations a known shape allows and XLA's do not, the fused kernels
-    (where the layers ran before these steps were measured), except for
-    instance norm below `KERNELS_SAFE_MIN_ELEMENTS` (Keras's formula) and
-    float32 instance norm from `XLA_FORMULA_SAFE_MIN_ELEMENTS` on (the
-    formula compiled by XLA).
+    Keras's formula (Keras's own layer) in steps traced for their batch size;
+    the kernels in steps traced for any batch size, where TensorFlow's
+    kernels lose optimizations a known shape allows and XLA's do not (and
+    where the layers ran the kernels before these steps were measured),
+    except for instance norm below `KERNELS_SAFE_MIN_ELEMENTS`.
 
     Args:
         unknown_batch: whether the step is traced for any batch size.
         trailing_statistics: True for statistics over trailing axes (layer
             norm). Defaults to `True`.
         elements: the input's number of elements, or None (large).
-        dtype: the input's dtype. Defaults to `"float32"`.
 
     Example:
     >>> safe_path(unknown_batch=True)
     'fused_kernels'
     >>> safe_path(unknown_batch=True, trailing_statistics=False, elements=2**16)
     'keras_formula'
-    >>> safe_path(unknown_batch=True, trailing_statistics=False, elements=2**24)
-    'xla_formula'
     """
-    if not unknown_batch:
-        return KERAS_FORMULA
-    if trailing_statistics:
+    small = elements is not None and elements < KERNELS_SAFE_MIN_ELEMENTS
+    if unknown_batch and (trailing_statistics or not small):
         return FUSED_KERNELS
-    if elements is not None and elements < KERNELS_SAFE_MIN_ELEMENTS:
-        return KERAS_FORMULA
-    large = elements is None or elements >= XLA_FORMULA_SAFE_MIN_ELEMENTS
-    if large and _dtype_family(dtype) == "float32":
-        return XLA_FORMULA
-    return FUSED_KERNELS
+    return KERAS_FORMULA
 
 
 def _time_pair(steps, reps):
@@ -238,7 +218,7 @@ def _time_pair(steps, reps):
 
 
 def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
-    """Race the paths in graph steps and cache the winners on disk.
+    """Race the two paths in graph steps and cache the winners on disk.
 
     Runs eagerly (never call it inside a `tf.function`). Cells are measured
     smallest first, each in steps traced for its batch size and for any
@@ -269,11 +249,7 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
         KERAS_FORMULA: _keras_formula.keras_formula_normalize,
         FUSED_KERNELS: _fused_normalization.kernels_normalize,
     }
-    middle_paths = {
-        **paths,
-        BATCH_NORM: _batch_norm_formula.batch_norm_normalize,
-        XLA_FORMULA: _keras_formula.xla_formula_normalize,
-    }
+    middle_paths = {**paths, BATCH_NORM: _batch_norm_formula.batch_norm_normalize}
     deadline = time.monotonic() + seconds
     cells = []
     for shapes, racing in ((TRAILING_SHAPES, paths), (MIDDLE_SHAPES, middle_paths)):
@@ -289,7 +265,7 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
             medians = _time_pair(steps, reps)
             ratios = {name: t / medians[KERAS_FORMULA] for name, t in medians.items()}
             fastest = min(ratios, key=ratios.get)
-            safe = safe_path(unknown_batch, len(shape) == 2, math.prod(shape), dtype)
+            safe = safe_path(unknown_batch, len(shape) == 2, math.prod(shape))
             cells.append(
                 {
                     "trailing": len(shape) == 2,

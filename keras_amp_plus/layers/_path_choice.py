@@ -1,12 +1,11 @@
 """Which implementation a normalization runs at a shape, on this CPU.
 
-Four implementations compute the same result with float32 statistics: the
+Three implementations compute the same result with float32 statistics: the
 fused XLA kernels (`_fused_normalization`), Keras's own formula
-(`_keras_formula`), the same formula compiled by XLA in a graph step
-(`_keras_formula.xla_formula_normalize`) and, for instance norm,
-TensorFlow's fused batch-norm kernel (`_batch_norm_formula`). Which one is
-faster depends on where the layer runs, on the shape and on the CPU, as
-measured by `benchmarks/layers.py` on each kind of machine:
+(`_keras_formula`) and, for instance norm, TensorFlow's fused batch-norm
+kernel (`_batch_norm_formula`). Which one is faster depends on where the layer runs, on
+the shape and on the CPU, as measured by `benchmarks/layers.py` on each kind
+of machine:
 
 - In a step XLA compiles whole (`jit_compile=True`), XLA fuses Keras's
   formula with its neighbours, and the kernels' functions are only inlined
@@ -31,17 +30,15 @@ measured by `benchmarks/layers.py` on each kind of machine:
   winner measured in steps traced that way for each batch size
   (`paths_by_batch_size`), switched at run time; there the kernels are the
   safe side (`_path_calibration.safe_path`; Keras's formula for small
-  instance norms, the compiled formula for large float32 ones) and run
-  where nothing was measured, or where other sizes
+  instance norms) and run where nothing was measured, or where other sizes
   vary too (row buckets).
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
   leaves XLA-compiled functions alone.
 
 `KERAS_AMP_PLUS_NORMALIZATION_PATH` (`auto`, the default, `fused_kernels`,
-`keras_formula`, `xla_formula` or `batch_norm`), read when a function is
-traced, overrides the choice (`batch_norm` where it applies outside XLA,
-else the kernels).
+`keras_formula` or `batch_norm`), read when a function is traced, overrides
+the choice (`batch_norm` where it applies outside XLA, else the kernels).
 """
 
 import functools
@@ -55,8 +52,7 @@ from keras_amp_plus.layers import _path_calibration
 FUSED_KERNELS = _path_calibration.FUSED_KERNELS
 KERAS_FORMULA = _path_calibration.KERAS_FORMULA
 BATCH_NORM = _path_calibration.BATCH_NORM
-XLA_FORMULA = _path_calibration.XLA_FORMULA
-_PATHS = (FUSED_KERNELS, KERAS_FORMULA, XLA_FORMULA, BATCH_NORM)
+_PATHS = (FUSED_KERNELS, KERAS_FORMULA, BATCH_NORM)
 
 # Without a measurement, instance norm (in a graph step, below the dot size)
 # runs TensorFlow's batch-norm kernel from these sizes on: half-width inputs
@@ -98,8 +94,8 @@ def _forced_path():
     if value not in _PATHS:
         raise ValueError(
             f"`{PATH_VARIABLE}` must be 'auto', '{FUSED_KERNELS}', "
-            f"'{KERAS_FORMULA}', '{XLA_FORMULA}' or '{BATCH_NORM}' (instance "
-            "norm, channels last). Unset it to let the layers choose. "
+            f"'{KERAS_FORMULA}' or '{BATCH_NORM}' (instance norm, channels "
+            "last). Unset it to let the layers choose. "
             f"Received: {PATH_VARIABLE}={value!r}"
         )
     return value
@@ -108,7 +104,7 @@ def _forced_path():
 def normalization_path(
     elements, trailing_statistics=True, dtype="float32", batch_norm_applies=False
 ) -> str:
-    """Return the implementation (one of `_PATHS`) to run for an input.
+    """Return `FUSED_KERNELS`, `KERAS_FORMULA` or `BATCH_NORM` for an input.
 
     Args:
         elements: the input's number of elements, or None when unknown at
@@ -240,7 +236,7 @@ def _graph_step_path(
     if measured is not None:
         return measured
     if unknown_batch:  # the safe side of such steps' measurements
-        return _path_calibration.safe_path(True, trailing_statistics, elements, dtype)
+        return _path_calibration.safe_path(True, trailing_statistics, elements)
     if large or (trailing_statistics and cpu_has_avx512()):
         return FUSED_KERNELS
     width = "float32" if tf.as_dtype(dtype).size >= 4 else "half"

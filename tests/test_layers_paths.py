@@ -316,17 +316,25 @@ def test_steps_of_unknown_batch_size_follow_their_own_measurements():
 
 def test_unmeasured_steps_of_unknown_batch_size_take_the_safe_side():
     # No measurement: the kernels, but for instance norms too small to pay
-    # for their XLA launches and transposes.
+    # for their XLA launches and transposes, and for ones so large that
+    # TensorFlow's batch-norm kernel is the safe side (where it applies).
     kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
-    for elements, trailing, expected in (
-        (2**16, False, formula),
-        (2**18, False, kernels),
-        (2**16, True, kernels),
+    bn = _path_choice.BATCH_NORM
+    for elements, trailing, batch_norm_applies, expected in (
+        (2**16, False, True, formula),
+        (2**18, False, True, kernels),
+        (2**16, True, False, kernels),
+        (2**24, True, False, kernels),
+        (2**24, False, True, bn),
+        (2**24, False, False, kernels),
     ):
-        path = _path_choice._graph_step_path(
-            elements, trailing, "bfloat16", False, True
-        )
-        assert path == expected, (elements, trailing)
+        for dtype in ("bfloat16", "float16", "float32"):
+            path = _path_choice._graph_step_path(
+                elements, trailing, dtype, batch_norm_applies, True
+            )
+            assert path == expected, (elements, trailing, batch_norm_applies, dtype)
+    # Where the batch size is known, Keras's formula is the side to beat.
+    assert _path_calibration.safe_path(False, False, 2**24, True) == formula
 
 
 def test_graph_step_follows_the_measured_winner(monkeypatch):
@@ -385,38 +393,37 @@ def test_measurements_far_from_the_size_do_not_apply(monkeypatch):
 
 def test_measure_paths_caches_winners_per_machine(monkeypatch):
     monkeypatch.setattr(_path_calibration, "TRAILING_SHAPES", ((16, 8),))
-    monkeypatch.setattr(_path_calibration, "MIDDLE_SHAPES", ((2, 4, 4, 8),))
+    middle_shapes = ((2, 2, 2, 8), (2, 4, 4, 8), (4, 4, 4, 8))
+    monkeypatch.setattr(_path_calibration, "MIDDLE_SHAPES", middle_shapes)
     monkeypatch.setattr(_path_calibration, "DTYPES", ("bfloat16",))
+    # Instance norms of 64 elements are small, of 512 large, here.
+    monkeypatch.setattr(_path_calibration, "KERNELS_SAFE_MIN_ELEMENTS", 128)
+    monkeypatch.setattr(_path_calibration, "BATCH_NORM_SAFE_MIN_ELEMENTS", 512)
     result = _path_calibration.measure_paths(seconds=60.0, reps=1)
     # Each shape in a step traced for its batch size and for any batch size.
+    shapes = [[16, 8], *map(list, middle_shapes)]
     assert [(cell["shape"], cell["unknown_batch"]) for cell in result["cells"]] == [
-        ([16, 8], False),
-        ([16, 8], True),
-        ([2, 4, 4, 8], False),
-        ([2, 4, 4, 8], True),
+        (shape, unknown) for shape in shapes for unknown in (False, True)
     ]
     with open(_path_calibration.cache_path(), encoding="utf-8") as file:
         cached = json.load(file)["cells"]
     assert cached == result["cells"]
     assert set(cached[1]["ratios"]) == {"fused_kernels", "keras_formula"}
     assert set(cached[3]["ratios"]) == {"fused_kernels", "keras_formula", "batch_norm"}
-    for cell in cached:
-        # The formula is the safe side at a known batch size, the kernels at
-        # any (but for small instance norms): another path must beat it by
-        # the margin.
+    # The formula is the safe side at a known batch size; at any, the kernels
+    # but for small instance norms (the formula) and large ones (the
+    # batch-norm kernel). Another path must beat it by the margin.
+    kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
+    safe_at_any_batch = (kernels, formula, kernels, _path_choice.BATCH_NORM)
+    for index, cell in enumerate(cached):
         ratios = cell["ratios"]
-        small_middle = not cell["trailing"] and cell["elements"] < 2**17
-        safe = (
-            _path_choice.FUSED_KERNELS
-            if cell["unknown_batch"] and not small_middle
-            else _path_choice.KERAS_FORMULA
-        )
+        safe = safe_at_any_batch[index // 2] if cell["unknown_batch"] else formula
         fastest = min(ratios, key=ratios.get)
         margin = _path_calibration.WIN_MARGIN * ratios[safe]
         expected = fastest if ratios[fastest] < margin else safe
         assert cell["path"] == expected
         found = _path_calibration.measured_path(
-            128, cell["trailing"], "bfloat16", cell["unknown_batch"]
+            cell["elements"], cell["trailing"], "bfloat16", cell["unknown_batch"]
         )
         assert found == cell["path"]
 

@@ -50,11 +50,19 @@ WIN_MARGIN = 0.85
 # and two transposes cost more than they save (slower than the formula in
 # every race at the grid's 65k-element shape, faster at its 262k one).
 KERNELS_SAFE_MIN_ELEMENTS = 2**17
+# From this many elements on, instance norm in such steps keeps TensorFlow's
+# fused batch-norm kernel as the safe side where it applies: there the
+# kernels' sums are matrix products after transposes of the whole input, and
+# the batch-norm kernel ran faster than them for every input precision, with
+# or without a known batch size, at the grid's two largest shapes (the
+# kernels ran slower than Keras's layer at the largest in float32 and
+# float16).
+BATCH_NORM_SAFE_MIN_ELEMENTS = 2**22
 # A measurement stands for inputs up to this many octaves of elements away.
 NEAREST_OCTAVES = 2.0
 # Part of the cache key: raise it whenever a raced implementation changes, so
 # that winners measured on the earlier code are measured again, not reused.
-PATHS_REVISION = 4
+PATHS_REVISION = 5
 
 
 @functools.cache
@@ -176,31 +184,46 @@ def _step(normalize, shape, dtype, unknown_batch):
     return lambda: step(x, upstream, gamma, beta)
 
 
-def safe_path(unknown_batch: bool, trailing_statistics=True, elements=None) -> str:
+def safe_path(
+    unknown_batch: bool,
+    trailing_statistics=True,
+    elements=None,
+    batch_norm_applies=False,
+) -> str:
     """Return the path another must beat by `WIN_MARGIN` to be chosen.
 
-    Keras's formula (Keras's own layer) in steps traced for their batch size;
-    the kernels in steps traced for any batch size, where TensorFlow's
-    kernels lose optimizations a known shape allows and XLA's do not (and
-    where the layers ran the kernels before these steps were measured),
-    except for instance norm below `KERNELS_SAFE_MIN_ELEMENTS`.
+    Keras's formula (Keras's own layer) in steps traced for their batch size.
+    In steps traced for any batch size, where TensorFlow's kernels lose
+    optimizations a known shape allows and XLA's do not, the fused kernels
+    (where the layers ran before these steps were measured), except for
+    instance norm below `KERNELS_SAFE_MIN_ELEMENTS` (Keras's formula) and
+    from `BATCH_NORM_SAFE_MIN_ELEMENTS` on (TensorFlow's batch-norm kernel,
+    where it applies).
 
     Args:
         unknown_batch: whether the step is traced for any batch size.
         trailing_statistics: True for statistics over trailing axes (layer
             norm). Defaults to `True`.
         elements: the input's number of elements, or None (large).
+        batch_norm_applies: whether the input can take `BATCH_NORM`.
+            Defaults to `False`.
 
     Example:
     >>> safe_path(unknown_batch=True)
     'fused_kernels'
     >>> safe_path(unknown_batch=True, trailing_statistics=False, elements=2**16)
     'keras_formula'
+    >>> safe_path(True, False, elements=2**24, batch_norm_applies=True)
+    'batch_norm'
     """
-    small = elements is not None and elements < KERNELS_SAFE_MIN_ELEMENTS
-    if unknown_batch and (trailing_statistics or not small):
+    if not unknown_batch:
+        return KERAS_FORMULA
+    if trailing_statistics:
         return FUSED_KERNELS
-    return KERAS_FORMULA
+    if elements is not None and elements < KERNELS_SAFE_MIN_ELEMENTS:
+        return KERAS_FORMULA
+    large = elements is None or elements >= BATCH_NORM_SAFE_MIN_ELEMENTS
+    return BATCH_NORM if large and batch_norm_applies else FUSED_KERNELS
 
 
 def _time_pair(steps, reps):
@@ -265,10 +288,12 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
             medians = _time_pair(steps, reps)
             ratios = {name: t / medians[KERAS_FORMULA] for name, t in medians.items()}
             fastest = min(ratios, key=ratios.get)
-            safe = safe_path(unknown_batch, len(shape) == 2, math.prod(shape))
+            trailing = len(shape) == 2
+            # The batch-norm kernel is raced (applies) for every middle shape.
+            safe = safe_path(unknown_batch, trailing, math.prod(shape), not trailing)
             cells.append(
                 {
-                    "trailing": len(shape) == 2,
+                    "trailing": trailing,
                     "dtype": dtype,
                     "shape": list(shape),
                     "elements": math.prod(shape),

@@ -288,15 +288,14 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
             medians = _time_pair(steps, reps)
             ratios = {name: t / medians[KERAS_FORMULA] for name, t in medians.items()}
             fastest = min(ratios, key=ratios.get)
-            trailing = len(shape) == 2
-            # The batch-norm kernel is raced (applies) for every middle shape.
-            safe = safe_path(unknown_batch, trailing, math.prod(shape), not trailing)
+            trailing, elements = len(shape) == 2, math.prod(shape)
+            safe = safe_path(unknown_batch, trailing, elements, BATCH_NORM in racing)
             cells.append(
                 {
                     "trailing": trailing,
                     "dtype": dtype,
                     "shape": list(shape),
-                    "elements": math.prod(shape),
+                    "elements": elements,
                     "unknown_batch": unknown_batch,
                     "ratios": ratios,
                     "path": (

@@ -9,6 +9,13 @@ from keras_amp_plus import _compat
 from keras_amp_plus.layers import _row_buckets, _validation
 from keras_amp_plus.layers._precision import statistics_dtype
 
+# Inside XLA with TensorFlow's oneDNN kernels off, bfloat16 inputs from this
+# many elements on recompute the sigmoid in the backward pass instead of
+# keeping a float32 copy: 32 MiB and up, above glibc's largest mmap threshold,
+# so each step maps and faults it in afresh (TensorFlow's allocator hands
+# such buffers to the system allocator unless oneDNN's pool is on).
+RECOMPUTE_SIGMOID_MIN_ELEMENTS = 2**23
+
 
 @tf.function(jit_compile=True)
 def _swish_forward(x, beta):
@@ -18,21 +25,26 @@ def _swish_forward(x, beta):
     return tf.cast(x_wide * tf.sigmoid(beta * x_wide), x.dtype)
 
 
-@tf.function(jit_compile=True)
-def _swish_backward(upstream, x, beta, with_beta_grad):
+def _swish_gradients(upstream, x, beta, with_beta_grad, sigmoid=tf.sigmoid):
+    """Return the gradients of `x * sigmoid(beta * x)` for x and beta.
+
+    The sigmoid is recomputed from x here instead of being kept from the
+    forward pass: the backward pass needs only x.
+    """
     x_wide = tf.cast(x, beta.dtype)
     upstream_wide = tf.cast(upstream, beta.dtype)
-    # The sigmoid is recomputed from x here instead of being kept from the
-    # forward pass: the backward pass needs only x.
-    sigmoid = tf.sigmoid(beta * x_wide)
-    slope = sigmoid * (1.0 + beta * x_wide * (1.0 - sigmoid))
+    gate = sigmoid(beta * x_wide)
+    slope = gate * (1.0 + beta * x_wide * (1.0 - gate))
     x_grad = tf.cast(upstream_wide * slope, x.dtype)
     if not with_beta_grad:
         return x_grad, tf.zeros_like(beta)
-    beta_grad = tf.reduce_sum(
-        upstream_wide * tf.square(x_wide) * sigmoid * (1.0 - sigmoid)
-    )
+    beta_grad = tf.reduce_sum(upstream_wide * tf.square(x_wide) * gate * (1.0 - gate))
     return x_grad, beta_grad
+
+
+@tf.function(jit_compile=True)
+def _swish_backward(upstream, x, beta, with_beta_grad):
+    return _swish_gradients(upstream, x, beta, with_beta_grad)
 
 
 def _onednn_forward_applies(x, beta, with_beta_grad) -> bool:
@@ -67,18 +79,69 @@ def _onednn_swish_forward(x):
     return x * tf.sigmoid(x)
 
 
+def _sigmoid_apart(z):
+    """`sigmoid(z)` as `1 / (1 + exp(-z / 2) ** 2)`: the same value, other ops.
+
+    XLA merges equal expressions: a backward pass computing `tf.sigmoid(z)`
+    as the forward pass does would read the forward's sigmoid, kept in memory
+    between the passes, instead of recomputing it. This form is as accurate
+    (one exponential, relative error of a few ulps in both tails; `tanh`
+    forms lose the lower tail) and XLA cannot merge it with the forward's.
+    """
+    half = tf.exp(-0.5 * z)
+    return 1.0 / (1.0 + half * half)
+
+
+def _keeps_sigmoid_in_xla(x) -> bool:
+    """Return True where XLA had better keep the sigmoid for the backward pass.
+
+    A kept sigmoid is a float32 tensor (the arithmetic's dtype) written in the
+    forward pass and read in the backward one; recomputing it costs one more
+    exponential per element. Recomputing was faster for float32 inputs at
+    every size of the grid, on both oneDNN settings (`benchmarks/layers.py`).
+    For bfloat16 inputs keeping it was faster, except from
+    `RECOMPUTE_SIGMOID_MIN_ELEMENTS` on with TensorFlow's oneDNN kernels off,
+    where the kept sigmoid made the step slower than Keras's. float16 inputs
+    keep Keras's formula (`_swish_for_xla`).
+    """
+    if x.dtype.size >= 4:
+        return False
+    if x.dtype == tf.float16 or _compat.onednn_enabled():
+        return True
+    elements = x.shape.num_elements()
+    return elements is not None and elements < RECOMPUTE_SIGMOID_MIN_ELEMENTS
+
+
+def _swish_recomputing_sigmoid(x, beta, with_beta_grad):
+    @tf.custom_gradient
+    def swish_with_gradient(x, beta):
+        def grad(upstream):
+            return _swish_gradients(
+                upstream, x, beta, with_beta_grad, sigmoid=_sigmoid_apart
+            )
+
+        x_wide = tf.cast(x, beta.dtype)
+        return tf.cast(x_wide * tf.sigmoid(beta * x_wide), x.dtype), grad
+
+    return swish_with_gradient(x, beta)
+
+
 def _swish_for_xla(x, beta, with_beta_grad):
     """`x * sigmoid(beta * x)` as plain ops, for a model XLA compiles whole.
 
-    There XLA fuses these ops (and TensorFlow's `silu` gradient, which also
-    recomputes the sigmoid) with their neighbours, as it does Keras's own
+    There XLA fuses these ops with their neighbours, as it does Keras's own
     activation; the layer's separately compiled kernels would only be
     inlined into the model's cluster and win nothing. The arithmetic runs in
-    `beta`'s dtype (float32 or wider) and the result is rounded once, except
-    for float16 inputs with a fixed `beta`: there Keras's own formula, in
-    float16, which XLA runs natively on CPUs with AVX512-FP16 and which was
-    faster than widening to float32.
+    `beta`'s dtype (float32 or wider) and the result is rounded once. The
+    backward pass recomputes the sigmoid from x where that is faster than
+    keeping it (`_keeps_sigmoid_in_xla`); where XLA keeps it, it is
+    TensorFlow's `silu` gradient, except for float16 inputs with a fixed
+    `beta`: there Keras's own formula, in float16, which XLA runs
+    natively on CPUs with AVX512-FP16 and which was faster than widening to
+    float32.
     """
+    if not _keeps_sigmoid_in_xla(x):
+        return _swish_recomputing_sigmoid(x, beta, with_beta_grad)
     if x.dtype == tf.float16 and not with_beta_grad:
         return tf.nn.silu(x, tf.cast(beta, x.dtype))
     return tf.cast(tf.nn.silu(tf.cast(x, beta.dtype), beta), x.dtype)
@@ -184,7 +247,9 @@ class Swish(keras.layers.Layer):
     with its neighbours (float16 with a fixed `beta`: Keras's formula, in
     float16, as `Activation("swish")`). The
     gradient recomputes the sigmoid instead of storing it, so a training step
-    keeps no more than `Activation("swish")` does. XLA compiles a kernel per
+    keeps no more than `Activation("swish")` does (inside such a model, XLA
+    keeps a float32 sigmoid of bfloat16 inputs where that was faster, as it
+    keeps Keras's sigmoid for float16 ones). XLA compiles a kernel per
     input shape, so inputs whose length changes from batch to batch are padded
     to one of two sizes per power of two (bounded compilations). With
     `trainable_beta=True`, `beta` is one trainable float32 weight (Swish-beta)

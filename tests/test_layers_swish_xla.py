@@ -1,0 +1,87 @@
+"""Swish inside a model XLA compiles whole: numerics and the kept sigmoid."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import as_float64, assert_close, float_inputs, swish_reference, use_policy
+
+from keras_amp_plus import _compat, layers
+from keras_amp_plus.layers import _swish_activation
+
+SHAPE = (64, 32)
+
+
+def _xla_step(layer):
+    @tf.function(jit_compile=True)
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = layer(x)
+        sources = [x, *layer.trainable_weights]
+        return outputs, tape.gradient(outputs, sources, output_gradients=upstream)
+
+    return step
+
+
+def _force_onednn(monkeypatch, onednn):
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: onednn)
+    # Small enough that the test's input counts as large.
+    monkeypatch.setattr(_swish_activation, "RECOMPUTE_SIGMOID_MIN_ELEMENTS", 1024)
+
+
+@pytest.mark.parametrize("onednn", (True, False))
+@pytest.mark.parametrize("trainable_beta", (False, True))
+@pytest.mark.parametrize("policy_name", ("float32", "mixed_bfloat16"))
+def test_swish_inside_xla_matches_float64(
+    policy_name, trainable_beta, onednn, monkeypatch
+):
+    _force_onednn(monkeypatch, onednn)
+    compute = use_policy(policy_name).compute_dtype
+    layer = layers.Swish(beta=1.5, trainable_beta=trainable_beta)
+    x, upstream, _, upstream64 = float_inputs(SHAPE, 0.0, compute)
+    x = x * 6.0  # deep into both tails of the sigmoid
+    outputs, grads = _xla_step(layer)(x, upstream)
+    outputs64, x_grad64, beta_grad64 = swish_reference(as_float64(x), upstream64, 1.5)
+    assert outputs.dtype == compute and grads[0].dtype == compute
+    assert_close(outputs, outputs64, compute, "outputs")
+    assert_close(grads[0], x_grad64, compute, "x gradient")
+    if trainable_beta:
+        assert_close(
+            np.array(as_float64(grads[1])),
+            np.array(beta_grad64),
+            "float32",
+            "beta gradient",
+            256,
+        )
+
+
+def _exponentials_in_compiled_step(layer, dtype):
+    x, upstream, _, _ = float_inputs(SHAPE, 0.0, dtype)
+    hlo = _xla_step(layer).experimental_get_compiler_ir(x, upstream)("optimized_hlo")
+    return hlo.count(" exponential(")
+
+
+@pytest.mark.parametrize(
+    ("policy_name", "onednn", "recomputed"),
+    (
+        ("float32", True, True),
+        ("float32", False, True),
+        ("mixed_bfloat16", True, False),
+        ("mixed_bfloat16", False, True),
+    ),
+)
+def test_backward_pass_recomputes_the_sigmoid_where_keeping_it_cost_more(
+    policy_name, onednn, recomputed, monkeypatch
+):
+    # A kept sigmoid is computed once, by the forward pass, and read back by
+    # the backward one; a recomputed one is computed in each pass.
+    _force_onednn(monkeypatch, onednn)
+    compute = use_policy(policy_name).compute_dtype
+    exponentials = _exponentials_in_compiled_step(layers.Swish(), compute)
+    assert exponentials == (2 if recomputed else 1)
+
+
+def test_small_bfloat16_inputs_keep_the_sigmoid_without_onednn(monkeypatch):
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: False)
+    use_policy("mixed_bfloat16")
+    assert _exponentials_in_compiled_step(layers.Swish(), "bfloat16") == 1

@@ -418,6 +418,8 @@ def test_measure_paths_caches_winners_per_machine(monkeypatch):
     for index, cell in enumerate(cached):
         ratios = cell["ratios"]
         safe = safe_at_any_batch[index // 2] if cell["unknown_batch"] else formula
+        if ratios[safe] > ratios[formula]:  # never slower than Keras's layer
+            safe = formula
         fastest = min(ratios, key=ratios.get)
         margin = _path_calibration.WIN_MARGIN * ratios[safe]
         expected = fastest if ratios[fastest] < margin else safe
@@ -426,6 +428,30 @@ def test_measure_paths_caches_winners_per_machine(monkeypatch):
             cell["elements"], cell["trailing"], "bfloat16", cell["unknown_batch"]
         )
         assert found == cell["path"]
+
+
+_FORMULA, _KERNELS, _BATCH_NORM = "keras_formula", "fused_kernels", "batch_norm"
+
+
+@pytest.mark.parametrize(
+    ("ratios", "safe", "expected"),
+    (
+        # The safe side stands unless another path beats it by the margin.
+        ({_FORMULA: 1.0, _KERNELS: 0.9}, _KERNELS, _KERNELS),
+        ({_FORMULA: 1.0, _KERNELS: 0.9}, _FORMULA, _FORMULA),
+        ({_FORMULA: 1.0, _KERNELS: 0.8}, _FORMULA, _KERNELS),
+        # A safe side slower than Keras's formula gives way to the formula
+        # (a batch-norm kernel without oneDNN, float32 32x32x32x128: 1.16).
+        ({_FORMULA: 1.0, _KERNELS: 1.87, _BATCH_NORM: 1.16}, _BATCH_NORM, _FORMULA),
+        ({_FORMULA: 1.0, _KERNELS: 0.8, _BATCH_NORM: 1.1}, _BATCH_NORM, _KERNELS),
+        ({_FORMULA: 1.0, _KERNELS: 0.9, _BATCH_NORM: 1.1}, _BATCH_NORM, _FORMULA),
+    ),
+)
+def test_a_measurement_never_chooses_a_path_slower_than_the_formula(
+    ratios, safe, expected
+):
+    assert _path_calibration.winner(ratios, safe) == expected
+    assert ratios[expected] <= ratios[_FORMULA]
 
 
 def test_measurements_of_earlier_implementations_are_not_reused(monkeypatch):

@@ -337,6 +337,35 @@ def test_unmeasured_steps_of_unknown_batch_size_take_the_safe_side():
     assert _path_calibration.safe_path(False, False, 2**24, True) == formula
 
 
+def _timed_cell(dtype, elements, ratios):
+    path = _path_calibration.winner(
+        ratios, _path_calibration.safe_path(True, False, elements, True)
+    )
+    cell = {**_cell(False, dtype, elements, path), "unknown_batch": True}
+    return {**cell, "ratios": ratios}
+
+
+def test_sizes_far_from_the_measured_keep_off_a_safe_side_that_lost_there():
+    # Measured at 4M elements: the batch-norm kernel (the safe side of large
+    # instance norms) slower than the formula in float32, faster in bfloat16.
+    bn, formula = _path_choice.BATCH_NORM, _path_choice.KERAS_FORMULA
+    _write_measurements(
+        [
+            _timed_cell("float32", 2**22, {formula: 1.0, bn: 1.2}),
+            _timed_cell("bfloat16", 2**22, {formula: 1.0, bn: 0.7}),
+        ]
+    )
+    for elements in (2**22, 2**26):  # measured, and 4 octaves beyond it
+        for dtype, expected in (("float32", formula), ("bfloat16", bn)):
+            path = _path_choice._graph_step_path(elements, False, dtype, True, True)
+            assert path == expected, (elements, dtype)
+    # One path for every batch size: no run-time switch to the loser.
+    shape = (None, 64, 64, 1024)  # 2**22 elements a sample
+    with tf.Graph().as_default():  # eager steps always run the kernels
+        paths = _path_choice.paths_by_batch_size(shape, False, "float32", True)
+    assert paths == ((1, formula),)
+
+
 def test_graph_step_follows_the_measured_winner(monkeypatch):
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
     monkeypatch.setattr(_path_choice, "cpu_has_avx512", lambda: True)

@@ -137,6 +137,45 @@ def measured_path(elements, trailing_statistics, dtype, unknown_batch=False):
     None
     >>> del os.environ["KERAS_AMP_PLUS_CACHE_DIR"]
     """
+    nearest = _nearest_cell(elements, trailing_statistics, dtype, unknown_batch)
+    if nearest is None or _octaves_apart(nearest, elements) > NEAREST_OCTAVES:
+        return None
+    return nearest["path"]
+
+
+def unmeasured_path(elements, trailing_statistics, dtype, batch_norm_applies) -> str:
+    """Return the path of a step traced for any batch size, measured nowhere near.
+
+    That is the safe side (`safe_path`), unless the nearest measurement of
+    the same kind and precision family, however far away, timed the safe
+    side slower than Keras's formula: then the formula, as `winner` chooses
+    for the measured sizes, so that large batches beyond the measured sizes
+    do not switch to a path that lost at all of them (the batch-norm kernel
+    in float32 without oneDNN).
+
+    Args:
+        elements: the input's number of elements.
+        trailing_statistics: True for statistics over trailing axes.
+        dtype: the input's dtype.
+        batch_norm_applies: whether the input can take `BATCH_NORM`.
+
+    Example:
+    >>> import os, tempfile
+    >>> os.environ["KERAS_AMP_PLUS_CACHE_DIR"] = tempfile.mkdtemp()
+    >>> unmeasured_path(2**16, False, "float32", batch_norm_applies=True)
+    'keras_formula'
+    >>> del os.environ["KERAS_AMP_PLUS_CACHE_DIR"]
+    """
+    safe = safe_path(True, trailing_statistics, elements, batch_norm_applies)
+    nearest = _nearest_cell(elements, trailing_statistics, dtype, True)
+    if nearest is None or safe not in nearest["ratios"]:
+        return safe
+    ratios = nearest["ratios"]
+    return KERAS_FORMULA if ratios[safe] > ratios[KERAS_FORMULA] else safe
+
+
+def _nearest_cell(elements, trailing_statistics, dtype, unknown_batch):
+    """Return the measured cell of that kind nearest in size, or None."""
     family = _dtype_family(dtype)
     candidates = [
         cell
@@ -147,11 +186,11 @@ def measured_path(elements, trailing_statistics, dtype, unknown_batch=False):
     ]
     if not candidates or not elements:
         return None
-    distance = lambda cell: abs(math.log2(cell["elements"]) - math.log2(elements))  # noqa: E731
-    nearest = min(candidates, key=distance)
-    if distance(nearest) > NEAREST_OCTAVES:
-        return None
-    return nearest["path"]
+    return min(candidates, key=lambda cell: _octaves_apart(cell, elements))
+
+
+def _octaves_apart(cell, elements):
+    return abs(math.log2(cell["elements"]) - math.log2(elements))
 
 
 def _step(normalize, shape, dtype, unknown_batch):

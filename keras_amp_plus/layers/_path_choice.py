@@ -31,7 +31,9 @@ of machine:
   (`paths_by_batch_size`), switched at run time; there the kernels are the
   safe side (`_path_calibration.safe_path`; Keras's formula for small
   instance norms, TensorFlow's batch-norm kernel for large ones) and run
-  where nothing was measured, or where other sizes vary too (row buckets).
+  where nothing was measured (unless the nearest measurement timed it slower
+  than Keras's formula: then the formula), or where other sizes vary too
+  (row buckets).
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
   leaves XLA-compiled functions alone.
@@ -236,8 +238,8 @@ def _graph_step_path(
     if measured is not None:
         return measured
     if unknown_batch:  # the safe side of such steps' measurements
-        return _path_calibration.safe_path(
-            True, trailing_statistics, elements, batch_norm_applies
+        return _path_calibration.unmeasured_path(
+            elements, trailing_statistics, dtype, batch_norm_applies
         )
     if large or (trailing_statistics and cpu_has_avx512()):
         return FUSED_KERNELS

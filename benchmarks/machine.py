@@ -8,6 +8,7 @@ instructions. Every script calls `print_header` first, stores its result under
 
 import os
 import platform
+import re
 
 import keras
 import tensorflow as tf
@@ -25,6 +26,7 @@ def describe() -> dict:
         "avx512f": None if flags is None else "avx512f" in flags,
         "onednn": _compat.onednn_enabled(),
         "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+        "xla_max_isa": xla_max_isa(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "tensorflow": tf.__version__,
@@ -32,11 +34,19 @@ def describe() -> dict:
     }
 
 
+def xla_max_isa():
+    """Return the `--xla_cpu_max_isa` cap in `XLA_FLAGS`, or None."""
+    found = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", ""))
+    return found.group(1).upper() if found else None
+
+
 def cpu_kind(machine: dict) -> str:
     """Return a short file-name tag for the CPU kind, e.g. `intel_amx`.
 
     A run with oneDNN switched off where TensorFlow would have it on gets
-    `_onednn_off`: it approximates a CPU without oneDNN and is kept apart.
+    `_onednn_off`: it approximates a CPU without oneDNN and is kept apart; a
+    cap on XLA's instruction set (`XLA_FLAGS=--xla_cpu_max_isa=AVX2`) adds
+    `_xla_avx2`.
     """
     model = (machine["model"] or "unknown").lower()
     vendor = "intel" if "intel" in model else "amd" if "amd" in model else "cpu"
@@ -45,7 +55,9 @@ def cpu_kind(machine: dict) -> str:
         tag = f"{vendor}_amx"
     else:
         tag = f"{vendor}_avx512" if machine["avx512f"] else f"{vendor}_avx2"
-    return tag + ("_onednn_off" if machine["onednn"] is False else "")
+    tag += "_onednn_off" if machine["onednn"] is False else ""
+    isa = machine.get("xla_max_isa")
+    return tag + (f"_xla_{isa.lower()}" if isa else "")
 
 
 def print_header(title: str) -> dict:
@@ -61,11 +73,12 @@ def print_header(title: str) -> dict:
         ]
         flags = ", ".join(present) or "none (bfloat16 is emulated: slow)"
     onednn = {True: "on", False: "off", None: "unknown"}[machine["onednn"]]
+    isa = machine["xla_max_isa"]
     print(title)
     print(f"CPU: {machine['model']} ({machine['cpu_count']} cores)")
     print(
         f"low-precision instructions: {flags}; AVX512F: {machine['avx512f']}; "
-        f"oneDNN {onednn}"
+        f"oneDNN {onednn}" + (f"; XLA capped at {isa}" if isa else "")
     )
     print(f"TensorFlow {machine['tensorflow']}, Keras {machine['keras']}")
     print()

@@ -45,6 +45,7 @@ the choice (`batch_norm` where it applies outside XLA, else the kernels).
 
 import functools
 import os
+import re
 
 import tensorflow as tf
 
@@ -68,6 +69,9 @@ PATH_VARIABLE = "KERAS_AMP_PLUS_NORMALIZATION_PATH"
 # AVX-512 (see `benchmarks/results/layers_*.json`).
 DOT_SUM_MIN_ELEMENTS = 2**22
 
+# Values of XLA's `--xla_cpu_max_isa` that leave AVX-512 out.
+_ISAS_BELOW_AVX512 = ("SSE4_2", "AVX", "AVX2")
+
 # TensorFlow's graph rewrites that would paint the formula's statistics.
 _GRAPH_REWRITES = (
     "auto_mixed_precision_onednn_bfloat16",
@@ -77,10 +81,18 @@ _GRAPH_REWRITES = (
 
 
 @functools.cache
-def cpu_has_avx512() -> bool:
-    """Return True when this CPU lists AVX-512 (unknown CPUs count as not)."""
+def xla_emits_avx512() -> bool:
+    """Return True when XLA compiles AVX-512 code for this CPU.
+
+    That is when the CPU lists AVX-512 (unknown CPUs count as not) and
+    `XLA_FLAGS` does not cap XLA's instruction set below it
+    (`--xla_cpu_max_isa=AVX2`, for one, as on a CPU without AVX-512).
+    """
     text = _hardware.read_cpuinfo()
-    return text is not None and "avx512f" in _hardware.parse_cpu_flags(text)
+    if text is None or "avx512f" not in _hardware.parse_cpu_flags(text):
+        return False
+    capped = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", ""))
+    return capped is None or capped.group(1).upper() not in _ISAS_BELOW_AVX512
 
 
 def graph_rewrite_on() -> bool:
@@ -209,7 +221,7 @@ def _path_without_size(elements, trailing_statistics, batch_norm_applies):
         return forced
     large = elements is not None and elements >= DOT_SUM_MIN_ELEMENTS
     if in_xla:
-        if trailing_statistics and (elements is None or large or cpu_has_avx512()):
+        if trailing_statistics and (elements is None or large or xla_emits_avx512()):
             return FUSED_KERNELS
         return KERAS_FORMULA
     if large and trailing_statistics:
@@ -241,7 +253,7 @@ def _graph_step_path(
         return _path_calibration.unmeasured_path(
             elements, trailing_statistics, dtype, batch_norm_applies
         )
-    if large or (trailing_statistics and cpu_has_avx512()):
+    if large or (trailing_statistics and xla_emits_avx512()):
         return FUSED_KERNELS
     width = "float32" if tf.as_dtype(dtype).size >= 4 else "half"
     if batch_norm_applies and elements >= BATCH_NORM_MIN_ELEMENTS[width]:

@@ -314,10 +314,12 @@ def test_steps_of_unknown_batch_size_follow_their_own_measurements():
     assert _path_calibration.measured_path(128, False, "float32", True) == kernels
 
 
-def test_unmeasured_steps_of_unknown_batch_size_take_the_safe_side():
+def test_unmeasured_steps_of_unknown_batch_size_take_the_safe_side(monkeypatch):
     # No measurement: the kernels, but for instance norms too small to pay
     # for their XLA launches and transposes, and for ones so large that
     # TensorFlow's batch-norm kernel is the safe side (where it applies).
+    # (With oneDNN: without, float32 instance norms run the formula.)
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
     kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
     bn = _path_choice.BATCH_NORM
     for elements, trailing, batch_norm_applies, expected in (
@@ -395,6 +397,7 @@ def test_large_instance_norm_follows_the_measured_winner(monkeypatch):
     # instance norm the measurement decides (TensorFlow's batch-norm kernel
     # beat the kernels there for bfloat16 and float32 on an Intel Xeon).
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)  # that Xeon's
     kernels, bn = _path_choice.FUSED_KERNELS, _path_choice.BATCH_NORM
     _write_measurements(
         [
@@ -560,6 +563,8 @@ def test_swish_inside_xla_is_plain_ops_for_xla_to_fuse():
 
 def test_graph_step_path_follows_cpu_features_and_axes(monkeypatch):
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    # The rules with oneDNN (without it, float32 instance norms: the formula).
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
     kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
     for has_avx512, trailing, expected in (
         (True, True, kernels),
@@ -739,3 +744,23 @@ def test_xla_code_uses_avx512_where_the_cpu_has_it_and_xla_flags_allow_it(
         assert _path_choice.xla_emits_avx512() is expected
     finally:
         _path_choice.xla_emits_avx512.cache_clear()
+
+
+@pytest.mark.parametrize("unknown_batch", (False, True))
+def test_unmeasured_float32_instance_norms_without_onednn_run_the_formula(
+    unknown_batch, monkeypatch
+):
+    # Without oneDNN, Keras's formula won every float32 instance-norm race
+    # (TensorFlow's batch-norm kernel and the kernels: 1.08-1.81x it).
+    formula, kernels = _path_choice.KERAS_FORMULA, _path_choice.FUSED_KERNELS
+    for onednn in (True, False):
+        monkeypatch.setattr(_compat, "onednn_enabled", lambda v=onednn: v)
+        for elements in (2**21, 2**24):  # where the rules with oneDNN differ
+            path = _path_choice._graph_step_path(
+                elements, False, "float32", True, unknown_batch
+            )
+            assert (path == formula) is (not onednn), (onednn, elements)
+        # Half precision and layer norms keep their rules.
+        assert _path_choice._graph_step_path(2**24, True, "float32", False) == kernels
+        half = _path_choice._graph_step_path(2**24, False, "bfloat16", True)
+        assert half != formula

@@ -24,7 +24,8 @@ of machine:
   while their row sums were XLA reductions); for statistics over middle
   axes (instance norm, channels last), TensorFlow's fused batch-norm kernel
   (`_batch_norm_formula`) from `BATCH_NORM_MIN_ELEMENTS` on and Keras's
-  formula below.
+  formula below; with TensorFlow's oneDNN kernels off, float32 instance
+  norms always run Keras's formula (it won every race there).
 - In a graph step traced with an unknown batch size (as `fit` traces a
   `tf.data` pipeline without `drop_remainder`, or a partial last batch), the
   winner measured in steps traced that way for each batch size
@@ -205,6 +206,11 @@ def _batch_size_grid() -> tuple:
     return tuple(sorted(set(range(1, 65)) | geometric))
 
 
+def _float32_without_onednn(dtype) -> bool:
+    """Return True for float32 (or wider) inputs with TensorFlow's oneDNN off."""
+    return tf.as_dtype(dtype).size >= 4 and _compat.onednn_enabled() is False
+
+
 def _path_without_size(elements, trailing_statistics, batch_norm_applies):
     """Return the path where the input's size does not decide it, else None.
 
@@ -249,6 +255,10 @@ def _graph_step_path(
         measured = None
     if measured is not None:
         return measured
+    if not trailing_statistics and _float32_without_onednn(dtype):
+        # Keras's formula beat the kernels and TensorFlow's batch-norm kernel
+        # there in every race, in both kinds of step.
+        return KERAS_FORMULA
     if unknown_batch:  # the safe side of such steps' measurements
         return _path_calibration.unmeasured_path(
             elements, trailing_statistics, dtype, batch_norm_applies

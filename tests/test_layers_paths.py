@@ -22,7 +22,7 @@ from conftest import (
     use_policy,
 )
 
-from keras_amp_plus import _compat, _hardware, layers
+from keras_amp_plus import _compat, layers
 from keras_amp_plus.layers import (
     _batch_norm_formula,
     _fused_normalization,
@@ -266,17 +266,12 @@ def test_paths_by_batch_size_are_one_path_where_the_size_is_known(monkeypatch):
     assert runs["lengths"] == ((1, _path_choice.FUSED_KERNELS),)
 
 
-def test_inside_xla_layer_norm_takes_the_kernels_where_measured_faster(monkeypatch):
-    # With AVX-512 the kernels beat XLA's fusion of the formula at every
-    # size; without it (not measured since the row sums became products)
-    # only from the dot size on.
+def test_inside_xla_layer_norm_takes_the_kernels_at_every_size(monkeypatch):
+    # Their sums are matrix products: they beat XLA's fusion of the formula
+    # at every size, with XLA's code capped at AVX2 too.
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
-    kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
-    monkeypatch.setattr(_path_choice, "xla_emits_avx512", lambda: True)
-    assert _path_taken(True, 1000, monkeypatch) == kernels
-    assert _path_taken(True, 128, monkeypatch) == kernels
-    monkeypatch.setattr(_path_choice, "xla_emits_avx512", lambda: False)
-    assert _path_taken(True, 1000, monkeypatch) == formula
+    kernels = _path_choice.FUSED_KERNELS
+    assert _path_taken(True, 1000, monkeypatch) == kernels  # below the dot size
     assert _path_taken(True, 128, monkeypatch) == kernels
 
 
@@ -370,9 +365,8 @@ def test_sizes_far_from_the_measured_keep_off_a_safe_side_that_lost_there():
 
 def test_graph_step_follows_the_measured_winner(monkeypatch):
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
-    monkeypatch.setattr(_path_choice, "xla_emits_avx512", lambda: True)
     kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
-    # The rule (AVX-512, trailing axes) would pick the kernels; measured:
+    # The rule (trailing axes) would pick the kernels; measured:
     # the formula for bfloat16 around 128 elements, the kernels for float32.
     _write_measurements(
         [
@@ -417,7 +411,6 @@ def test_large_instance_norm_follows_the_measured_winner(monkeypatch):
 
 def test_measurements_far_from_the_size_do_not_apply(monkeypatch):
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
-    monkeypatch.setattr(_path_choice, "xla_emits_avx512", lambda: True)
     _write_measurements([_cell(True, "float32", 2**20, _path_choice.KERAS_FORMULA)])
     # 128 elements is 13 octaves away: the rule (kernels) decides.
     assert _path_taken(False, 1000, monkeypatch) == _path_choice.FUSED_KERNELS
@@ -566,13 +559,7 @@ def test_graph_step_path_follows_cpu_features_and_axes(monkeypatch):
     # The rules with oneDNN (without it, float32 instance norms: the formula).
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
     kernels, formula = _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA
-    for has_avx512, trailing, expected in (
-        (True, True, kernels),
-        (True, False, formula),
-        (False, True, formula),
-        (False, False, formula),
-    ):
-        monkeypatch.setattr(_path_choice, "xla_emits_avx512", lambda v=has_avx512: v)
+    for trailing, expected in ((True, kernels), (False, formula)):
         assert _path_taken(False, 1000, monkeypatch, trailing) == expected
         # Large inputs: the kernels on every CPU.
         assert _path_taken(False, 128, monkeypatch, trailing) == kernels
@@ -594,8 +581,8 @@ def test_graph_step_instance_norm_takes_batch_norm_from_its_size(monkeypatch):
         assert taken == expected, (dtype, applies)
     # Never inside XLA (Keras's formula there) nor for layer norm.
     assert _path_taken(True, 1000, monkeypatch, False, "bfloat16", True) == formula
-    monkeypatch.setattr(_path_choice, "xla_emits_avx512", lambda: False)
-    assert _path_taken(False, 1000, monkeypatch, True, "bfloat16", False) == formula
+    kernels = _path_choice.FUSED_KERNELS
+    assert _path_taken(False, 1000, monkeypatch, True, "bfloat16", False) == kernels
 
 
 def test_batch_norm_path_only_where_the_kernel_applies(monkeypatch):
@@ -631,7 +618,6 @@ def test_batch_norm_path_with_unknown_batch_matches_float64(policy_name, monkeyp
 def test_graph_rewrite_keeps_the_kernels(monkeypatch):
     # The rewrite would paint the formula's statistics bfloat16.
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
-    monkeypatch.setattr(_path_choice, "xla_emits_avx512", lambda: False)
     monkeypatch.setattr(_path_choice, "graph_rewrite_on", lambda: True)
     for trailing in (True, False):
         taken = _path_taken(False, 1000, monkeypatch, trailing)
@@ -722,28 +708,6 @@ def test_bfloat16_swish_in_a_graph_step_is_rounded_once():
     error = np.abs(as_float64(outputs) - expected)[nonzero] / np.abs(expected[nonzero])
     assert error.max() <= 2.0**-8
     assert_close(x_grad, expected_grad, "bfloat16", "x gradient")
-
-
-@pytest.mark.parametrize(
-    ("cpu_flags", "xla_flags", "expected"),
-    (
-        ("fpu avx2 avx512f avx512bw", "", True),
-        ("fpu avx2 avx512f avx512bw", "--xla_cpu_max_isa=AVX2", False),
-        ("fpu avx2 avx512f avx512bw", "--xla_cpu_max_isa=avx512_bf16", True),
-        ("fpu avx2 fma", "", False),
-    ),
-)
-def test_xla_code_uses_avx512_where_the_cpu_has_it_and_xla_flags_allow_it(
-    cpu_flags, xla_flags, expected, monkeypatch
-):
-    cpuinfo = f"processor\t: 0\nflags\t\t: {cpu_flags}\n"
-    monkeypatch.setattr(_hardware, "read_cpuinfo", lambda: cpuinfo)
-    monkeypatch.setenv("XLA_FLAGS", xla_flags)
-    _path_choice.xla_emits_avx512.cache_clear()
-    try:
-        assert _path_choice.xla_emits_avx512() is expected
-    finally:
-        _path_choice.xla_emits_avx512.cache_clear()
 
 
 @pytest.mark.parametrize("unknown_batch", (False, True))

@@ -10,18 +10,20 @@ of machine:
 - In a step XLA compiles whole (`jit_compile=True`), XLA fuses Keras's
   formula with its neighbours, and the kernels' functions are only inlined
   into the model's cluster. For statistics over trailing axes (layer norm)
-  the kernels still win there, their sums being matrix products: on CPUs
-  with AVX-512 at every size, elsewhere from `DOT_SUM_MIN_ELEMENTS` on. For
-  statistics over middle axes (instance norm), Keras's formula.
+  the kernels still win there at every size, their sums being matrix
+  products (also with XLA's code capped at AVX2, as on CPUs without
+  AVX-512). For statistics over middle axes (instance norm), Keras's
+  formula.
 - In a graph step (no XLA around), for statistics over trailing axes from
   `DOT_SUM_MIN_ELEMENTS` on, the kernels, which won on every CPU measured.
   Elsewhere the race is close and differs between CPUs and dtypes: where
   `_path_calibration` measured it on this CPU model and TensorFlow version
   (the doctor runs it), the measured winner. Otherwise a rule: from
   `DOT_SUM_MIN_ELEMENTS` on, the kernels; below it, for statistics over
-  trailing axes (layer norm), the kernels on CPUs with AVX-512 and Keras's
-  formula on CPUs without (an AMD EPYC measured the kernels slower there
-  while their row sums were XLA reductions); for statistics over middle
+  trailing axes (layer norm), the kernels (an AMD EPYC measured them slower
+  while their row sums were XLA reductions; since the sums are matrix
+  products they won at every size, also with XLA capped at AVX2); for
+  statistics over middle
   axes (instance norm, channels last), TensorFlow's fused batch-norm kernel
   (`_batch_norm_formula`) from `BATCH_NORM_MIN_ELEMENTS` on and Keras's
   formula below; with TensorFlow's oneDNN kernels off, float32 instance
@@ -46,11 +48,10 @@ the choice (`batch_norm` where it applies outside XLA, else the kernels).
 
 import functools
 import os
-import re
 
 import tensorflow as tf
 
-from keras_amp_plus import _compat, _hardware
+from keras_amp_plus import _compat
 from keras_amp_plus.layers import _path_calibration
 
 FUSED_KERNELS = _path_calibration.FUSED_KERNELS
@@ -70,30 +71,12 @@ PATH_VARIABLE = "KERAS_AMP_PLUS_NORMALIZATION_PATH"
 # AVX-512 (see `benchmarks/results/layers_*.json`).
 DOT_SUM_MIN_ELEMENTS = 2**22
 
-# Values of XLA's `--xla_cpu_max_isa` that leave AVX-512 out.
-_ISAS_BELOW_AVX512 = ("SSE4_2", "AVX", "AVX2")
-
 # TensorFlow's graph rewrites that would paint the formula's statistics.
 _GRAPH_REWRITES = (
     "auto_mixed_precision_onednn_bfloat16",
     "auto_mixed_precision_mkl",
     "auto_mixed_precision",
 )
-
-
-@functools.cache
-def xla_emits_avx512() -> bool:
-    """Return True when XLA compiles AVX-512 code for this CPU.
-
-    That is when the CPU lists AVX-512 (unknown CPUs count as not) and
-    `XLA_FLAGS` does not cap XLA's instruction set below it
-    (`--xla_cpu_max_isa=AVX2`, for one, as on a CPU without AVX-512).
-    """
-    text = _hardware.read_cpuinfo()
-    if text is None or "avx512f" not in _hardware.parse_cpu_flags(text):
-        return False
-    capped = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", ""))
-    return capped is None or capped.group(1).upper() not in _ISAS_BELOW_AVX512
 
 
 def graph_rewrite_on() -> bool:
@@ -227,9 +210,7 @@ def _path_without_size(elements, trailing_statistics, batch_norm_applies):
         return forced
     large = elements is not None and elements >= DOT_SUM_MIN_ELEMENTS
     if in_xla:
-        if trailing_statistics and (elements is None or large or xla_emits_avx512()):
-            return FUSED_KERNELS
-        return KERAS_FORMULA
+        return FUSED_KERNELS if trailing_statistics else KERAS_FORMULA
     if large and trailing_statistics:
         return FUSED_KERNELS
     if tf.executing_eagerly() or graph_rewrite_on():
@@ -263,7 +244,7 @@ def _graph_step_path(
         return _path_calibration.unmeasured_path(
             elements, trailing_statistics, dtype, batch_norm_applies
         )
-    if large or (trailing_statistics and xla_emits_avx512()):
+    if large or trailing_statistics:
         return FUSED_KERNELS
     width = "float32" if tf.as_dtype(dtype).size >= 4 else "half"
     if batch_norm_applies and elements >= BATCH_NORM_MIN_ELEMENTS[width]:

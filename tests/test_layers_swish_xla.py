@@ -26,7 +26,8 @@ def _xla_step(layer):
 def _force_onednn(monkeypatch, onednn):
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: onednn)
     # Small enough that the test's input counts as large.
-    monkeypatch.setattr(_swish_activation, "RECOMPUTE_SIGMOID_MIN_ELEMENTS", 1024)
+    small = {"float32": 1024, "bfloat16": 1024}
+    monkeypatch.setattr(_swish_activation, "RECOMPUTE_SIGMOID_MIN_ELEMENTS", small)
 
 
 @pytest.mark.parametrize("onednn", (True, False))
@@ -81,7 +82,9 @@ def test_backward_pass_recomputes_the_sigmoid_where_keeping_it_cost_more(
     assert exponentials == (2 if recomputed else 1)
 
 
-def test_small_bfloat16_inputs_keep_the_sigmoid_without_onednn(monkeypatch):
+@pytest.mark.parametrize("policy_name", ("float32", "mixed_bfloat16"))
+def test_small_inputs_keep_the_sigmoid(policy_name, monkeypatch):
+    # Below the thresholds the extra exponential costs more than it saves.
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: False)
-    use_policy("mixed_bfloat16")
-    assert _exponentials_in_compiled_step(layers.Swish(), "bfloat16") == 1
+    compute = use_policy(policy_name).compute_dtype
+    assert _exponentials_in_compiled_step(layers.Swish(), compute) == 1

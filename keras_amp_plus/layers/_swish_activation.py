@@ -9,12 +9,13 @@ from keras_amp_plus import _compat
 from keras_amp_plus.layers import _row_buckets, _validation
 from keras_amp_plus.layers._precision import statistics_dtype
 
-# Inside XLA with TensorFlow's oneDNN kernels off, bfloat16 inputs from this
-# many elements on recompute the sigmoid in the backward pass instead of
-# keeping a float32 copy: 32 MiB and up, above glibc's largest mmap threshold,
-# so each step maps and faults it in afresh (TensorFlow's allocator hands
-# such buffers to the system allocator unless oneDNN's pool is on).
-RECOMPUTE_SIGMOID_MIN_ELEMENTS = 2**23
+# Inside XLA, inputs from this many elements on recompute the sigmoid in the
+# backward pass instead of keeping a float32 copy between the passes (16 MiB
+# and up): float32 inputs, and bfloat16 ones with TensorFlow's oneDNN kernels
+# off, whose 32 MiB copy is above glibc's largest mmap threshold, so each step
+# maps and faults it in afresh (TensorFlow's allocator hands such buffers to
+# the system allocator unless oneDNN's pool is on).
+RECOMPUTE_SIGMOID_MIN_ELEMENTS = {"float32": 2**22, "bfloat16": 2**23}
 
 
 @tf.function(jit_compile=True)
@@ -97,19 +98,21 @@ def _keeps_sigmoid_in_xla(x) -> bool:
 
     A kept sigmoid is a float32 tensor (the arithmetic's dtype) written in the
     forward pass and read in the backward one; recomputing it costs one more
-    exponential per element. Recomputing was faster for float32 inputs at
-    every size of the grid, on both oneDNN settings (`benchmarks/layers.py`).
-    For bfloat16 inputs keeping it was faster, except from
-    `RECOMPUTE_SIGMOID_MIN_ELEMENTS` on with TensorFlow's oneDNN kernels off,
-    where the kept sigmoid made the step slower than Keras's. float16 inputs
-    keep Keras's formula (`_swish_for_xla`).
+    exponential per element. As measured (`benchmarks/layers.py`), the
+    exponential costs more for small inputs (on CPUs without AVX-512 most),
+    the memory traffic for large ones: float32 inputs recompute it from
+    `RECOMPUTE_SIGMOID_MIN_ELEMENTS` on, bfloat16 inputs (whose own size is
+    half the kept sigmoid's) only where TensorFlow's oneDNN kernels are off.
+    float16 inputs keep Keras's formula (`_swish_for_xla`).
     """
-    if x.dtype.size >= 4:
-        return False
-    if x.dtype == tf.float16 or _compat.onednn_enabled():
+    if x.dtype == tf.float16:
+        return True
+    wide = x.dtype.size >= 4
+    if not wide and _compat.onednn_enabled():
         return True
     elements = x.shape.num_elements()
-    return elements is not None and elements < RECOMPUTE_SIGMOID_MIN_ELEMENTS
+    threshold = RECOMPUTE_SIGMOID_MIN_ELEMENTS["float32" if wide else "bfloat16"]
+    return elements is None or elements < threshold
 
 
 def _swish_recomputing_sigmoid(x, beta, with_beta_grad):
@@ -248,10 +251,11 @@ class Swish(keras.layers.Layer):
     float16, as `Activation("swish")`). The
     gradient recomputes the sigmoid instead of storing it, so a training step
     keeps no more than `Activation("swish")` does (inside such a model, XLA
-    keeps a float32 sigmoid of bfloat16 inputs where that was faster, as it
-    keeps Keras's sigmoid for float16 ones). XLA compiles a kernel per
-    input shape, so inputs whose length changes from batch to batch are padded
-    to one of two sizes per power of two (bounded compilations). With
+    keeps a float32 sigmoid of smaller inputs, and of bfloat16 ones where
+    oneDNN is on, as that was faster; and Keras's for float16 ones). XLA
+    compiles a kernel per input shape, so inputs whose length changes from
+    batch to batch are padded to one of two sizes per power of two (bounded
+    compilations). With
     `trainable_beta=True`, `beta` is one trainable float32 weight (Swish-beta)
     initialized to `beta`.
 

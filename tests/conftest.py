@@ -494,6 +494,18 @@ def check_normalization(layer, shape, mean, policy, stat_axes, param_shape):
     )
 
 
+def check_swish(outputs, grads, x, upstream64, beta, compute, trainable_beta):
+    """Assert a Swish's outputs and gradients against the float64 reference."""
+    outputs64, x_grad64, beta_grad64 = swish_reference(as_float64(x), upstream64, beta)
+    assert outputs.dtype == compute and grads[0].dtype == compute
+    assert_close(outputs, outputs64, compute, "outputs")
+    assert_close(grads[0], x_grad64, compute, "x gradient")
+    if trainable_beta:
+        assert grads[1].dtype == "float32"
+        beta_grad = np.array(as_float64(grads[1]))
+        assert_close(beta_grad, np.array(beta_grad64), "float32", "beta gradient", 256)
+
+
 def swish_reference(x, upstream, beta):
     sigmoid = 1.0 / (1.0 + np.exp(-beta * x))
     outputs = x * sigmoid

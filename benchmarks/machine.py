@@ -36,8 +36,9 @@ def describe() -> dict:
 
 def xla_max_isa():
     """Return the `--xla_cpu_max_isa` cap in `XLA_FLAGS`, or None."""
-    found = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", ""))
-    return found.group(1).upper() if found else None
+    # XLA takes the last of repeated flags.
+    found = re.findall(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", ""))
+    return found[-1].upper() if found else None
 
 
 def cpu_kind(machine: dict) -> str:

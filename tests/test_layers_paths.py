@@ -342,7 +342,11 @@ def _timed_cell(dtype, elements, ratios):
     return {**cell, "ratios": ratios}
 
 
-def test_sizes_far_from_the_measured_keep_off_a_safe_side_that_lost_there():
+def test_sizes_far_from_the_measured_keep_off_a_safe_side_that_lost_there(
+    monkeypatch,
+):
+    # With oneDNN: without it, float32 instance norms run the formula anyway.
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
     # Measured at 4M elements: the batch-norm kernel (the safe side of large
     # instance norms) slower than the formula in float32, faster in bfloat16.
     bn, formula = _path_choice.BATCH_NORM, _path_choice.KERAS_FORMULA
@@ -466,7 +470,7 @@ _FORMULA, _KERNELS, _BATCH_NORM = "keras_formula", "fused_kernels", "batch_norm"
         ({_FORMULA: 1.0, _KERNELS: 0.9}, _FORMULA, _FORMULA),
         ({_FORMULA: 1.0, _KERNELS: 0.8}, _FORMULA, _KERNELS),
         # A safe side slower than Keras's formula gives way to the formula
-        # (a batch-norm kernel without oneDNN, float32 32x32x32x128: 1.16).
+        # (as the batch-norm kernel did without oneDNN, in float32).
         ({_FORMULA: 1.0, _KERNELS: 1.87, _BATCH_NORM: 1.16}, _BATCH_NORM, _FORMULA),
         ({_FORMULA: 1.0, _KERNELS: 0.8, _BATCH_NORM: 1.1}, _BATCH_NORM, _KERNELS),
         ({_FORMULA: 1.0, _KERNELS: 0.9, _BATCH_NORM: 1.1}, _BATCH_NORM, _FORMULA),
@@ -513,7 +517,7 @@ def test_swish_inside_xla_is_plain_ops_for_xla_to_fuse():
     assert "Sigmoid" in op_types
 
 
-def test_graph_step_path_follows_cpu_features_and_axes(monkeypatch):
+def test_unmeasured_graph_step_path_follows_the_axes(monkeypatch):
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
     # The rules with oneDNN (without it, float32 instance norms: the formula).
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
@@ -526,6 +530,7 @@ def test_graph_step_path_follows_cpu_features_and_axes(monkeypatch):
 
 def test_graph_step_instance_norm_takes_batch_norm_from_its_size(monkeypatch):
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)  # the rule with it
     monkeypatch.setattr(
         _path_choice, "BATCH_NORM_MIN_ELEMENTS", {"half": 64, "float32": 256}
     )
@@ -674,8 +679,9 @@ def test_unmeasured_float32_instance_norms_without_onednn_run_the_formula(
     unknown_batch, monkeypatch
 ):
     # Without oneDNN, Keras's formula won every float32 instance-norm race
-    # (TensorFlow's batch-norm kernel and the kernels: 1.08-1.81x it).
+    # against TensorFlow's batch-norm kernel and the kernels.
     formula, kernels = _path_choice.KERAS_FORMULA, _path_choice.FUSED_KERNELS
+    bn = _path_choice.BATCH_NORM
     for onednn in (True, False):
         monkeypatch.setattr(_compat, "onednn_enabled", lambda v=onednn: v)
         for elements in (2**21, 2**24):  # where the rules with oneDNN differ
@@ -684,6 +690,11 @@ def test_unmeasured_float32_instance_norms_without_onednn_run_the_formula(
             )
             assert (path == formula) is (not onednn), (onednn, elements)
         # Half precision and layer norms keep their rules.
-        assert _path_choice._graph_step_path(2**24, True, "float32", False) == kernels
-        half = _path_choice._graph_step_path(2**24, False, "bfloat16", True)
-        assert half != formula
+        layer_norm = _path_choice._graph_step_path(
+            2**24, True, "float32", False, unknown_batch
+        )
+        assert layer_norm == kernels
+        half = _path_choice._graph_step_path(
+            2**24, False, "bfloat16", True, unknown_batch
+        )
+        assert half == (bn if unknown_batch else kernels)

@@ -19,6 +19,8 @@ SHAPE = (64, 32)
 
 
 def _xla_step(layer):
+    layer.build(SHAPE)  # its weights exist before the step is traced
+
     @tf.function(jit_compile=True)
     def step(x, upstream):
         with tf.GradientTape() as tape:

@@ -28,8 +28,9 @@ class LayerNormalization(keras.layers.LayerNormalization):
     - forward and backward each run as one XLA-fused kernel, and the backward
       pass keeps only the input and three numbers per row alive, wherever
       that is faster than Keras's formula on this CPU (also inside a
-      `jit_compile=True` step); elsewhere (smaller tensors on CPUs without
-      AVX-512) the layer runs Keras's formula, statistics still float32; XLA compiles
+      `jit_compile=True` step, where it takes them at every size); where a
+      graph-step measurement found Keras's formula faster, the layer runs
+      that formula, statistics still float32; XLA compiles
       a kernel per input shape, so inputs whose length changes from batch to
       batch (`keras.Input((None, features))`) are padded to one of two row
       counts per power of two, bounding the compilations over a whole `fit`

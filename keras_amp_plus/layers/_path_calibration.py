@@ -16,7 +16,7 @@ raced implementations.
 Measuring takes seconds and compiles kernels, so it never runs inside a
 model's traced step: `python -m keras_amp_plus doctor` runs it (or call
 `measure_paths` eagerly). Without a cached measurement `_path_choice` falls
-back to its rule from CPU features.
+back to its rule from the input's size and dtype and the oneDNN setting.
 """
 
 import functools
@@ -149,9 +149,8 @@ def unmeasured_path(elements, trailing_statistics, dtype, batch_norm_applies) ->
     That is the safe side (`safe_path`), unless the nearest measurement of
     the same kind and precision family, however far away, timed the safe
     side slower than Keras's formula: then the formula, as `winner` chooses
-    for the measured sizes, so that large batches beyond the measured sizes
-    do not switch to a path that lost at all of them (the batch-norm kernel
-    in float32 without oneDNN).
+    for the measured sizes, so that batches beyond the measured sizes do not
+    switch to a path that lost at the nearest of them.
 
     Args:
         elements: the input's number of elements.
@@ -168,9 +167,11 @@ def unmeasured_path(elements, trailing_statistics, dtype, batch_norm_applies) ->
     """
     safe = safe_path(True, trailing_statistics, elements, batch_norm_applies)
     nearest = _nearest_cell(elements, trailing_statistics, dtype, True)
-    if nearest is None or safe not in nearest["ratios"]:
+    if nearest is None:
         return safe
-    ratios = nearest["ratios"]
+    ratios = nearest.get("ratios", {})  # a hand-written cell may have none
+    if safe not in ratios or KERAS_FORMULA not in ratios:
+        return safe
     return KERAS_FORMULA if ratios[safe] > ratios[KERAS_FORMULA] else safe
 
 

@@ -11,8 +11,7 @@ of machine:
   formula with its neighbours, and the kernels' functions are only inlined
   into the model's cluster. For statistics over trailing axes (layer norm)
   the kernels still win there at every size, their sums being matrix
-  products (also with XLA's code capped at AVX2, as on CPUs without
-  AVX-512). For statistics over middle axes (instance norm), Keras's
+  products. For statistics over middle axes (instance norm), Keras's
   formula.
 - In a graph step (no XLA around), for statistics over trailing axes from
   `DOT_SUM_MIN_ELEMENTS` on, the kernels, which won on every CPU measured.
@@ -20,10 +19,7 @@ of machine:
   `_path_calibration` measured it on this CPU model and TensorFlow version
   (the doctor runs it), the measured winner. Otherwise a rule: from
   `DOT_SUM_MIN_ELEMENTS` on, the kernels; below it, for statistics over
-  trailing axes (layer norm), the kernels (an AMD EPYC measured them slower
-  while their row sums were XLA reductions; since the sums are matrix
-  products they won at every size, also with XLA capped at AVX2); for
-  statistics over middle
+  trailing axes (layer norm), the kernels; for statistics over middle
   axes (instance norm, channels last), TensorFlow's fused batch-norm kernel
   (`_batch_norm_formula`) from `BATCH_NORM_MIN_ELEMENTS` on and Keras's
   formula below; with TensorFlow's oneDNN kernels off, float32 instance
@@ -35,8 +31,9 @@ of machine:
   safe side (`_path_calibration.safe_path`; Keras's formula for small
   instance norms, TensorFlow's batch-norm kernel for large ones) and run
   where nothing was measured (unless the nearest measurement timed it slower
-  than Keras's formula: then the formula), or where other sizes vary too
-  (row buckets).
+  than Keras's formula: then the formula; and float32 instance norms with
+  oneDNN off run the formula, as in steps of a known batch size), or where
+  other sizes vary too (row buckets).
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
   leaves XLA-compiled functions alone.
@@ -61,7 +58,7 @@ _PATHS = (FUSED_KERNELS, KERAS_FORMULA, BATCH_NORM)
 
 # Without a measurement, instance norm (in a graph step, below the dot size)
 # runs TensorFlow's batch-norm kernel from these sizes on: half-width inputs
-# (bfloat16, float16) and float32 inputs.
+# (bfloat16, float16) and float32 inputs (float32 with oneDNN on only).
 BATCH_NORM_MIN_ELEMENTS = {"half": 2**18, "float32": 2**21}
 PATH_VARIABLE = "KERAS_AMP_PLUS_NORMALIZATION_PATH"
 

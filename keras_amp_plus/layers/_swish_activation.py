@@ -11,10 +11,11 @@ from keras_amp_plus.layers._precision import statistics_dtype
 
 # Inside XLA, inputs from this many elements on recompute the sigmoid in the
 # backward pass instead of keeping a float32 copy between the passes (16 MiB
-# and up): float32 inputs, and bfloat16 ones with TensorFlow's oneDNN kernels
-# off, whose 32 MiB copy is above glibc's largest mmap threshold, so each step
-# maps and faults it in afresh (TensorFlow's allocator hands such buffers to
-# the system allocator unless oneDNN's pool is on).
+# and up): float32 (or wider) inputs, and bfloat16 ones with TensorFlow's
+# oneDNN kernels off, whose 32 MiB copy is above glibc's largest mmap
+# threshold, so each step maps and faults it in afresh (TensorFlow's
+# allocator hands such buffers to the system allocator unless oneDNN's pool
+# is on).
 RECOMPUTE_SIGMOID_MIN_ELEMENTS = {"float32": 2**22, "bfloat16": 2**23}
 
 
@@ -103,12 +104,15 @@ def _keeps_sigmoid_in_xla(x) -> bool:
     the memory traffic for large ones: float32 inputs recompute it from
     `RECOMPUTE_SIGMOID_MIN_ELEMENTS` on, bfloat16 inputs (whose own size is
     half the kept sigmoid's) only where TensorFlow's oneDNN kernels are off.
-    float16 inputs keep Keras's formula (`_swish_for_xla`).
+    float16 inputs keep it too (Keras's formula with a fixed `beta`,
+    `_swish_for_xla`), and so do inputs whose size is unknown when the step
+    is traced (an unknown batch size, as `fit` traces a `tf.data` pipeline):
+    the choice is made then, for every size the step will see.
     """
     if x.dtype == tf.float16:
         return True
-    wide = x.dtype.size >= 4
-    if not wide and _compat.onednn_enabled():
+    wide = x.dtype.size >= 4  # float32 or float64
+    if not wide and _compat.onednn_enabled() is not False:
         return True
     elements = x.shape.num_elements()
     threshold = RECOMPUTE_SIGMOID_MIN_ELEMENTS["float32" if wide else "bfloat16"]
@@ -180,11 +184,13 @@ def swish(x, beta=1.0):
 
     Usable wherever Keras takes an activation (`activation=swish`; configs
     save it under its registered name `"keras_amp_plus>swish"`), and on
-    symbolic `keras.Input` tensors while building a functional model. The
-    gradient recomputes the sigmoid, so the backward pass keeps only `x` (as
-    `tf.nn.silu` does), and forward and backward each run as one fused
-    kernel: XLA's, or for bfloat16 with `beta` 1 in a graph step where
-    TensorFlow's oneDNN kernels are on, oneDNN's swish for the forward pass.
+    symbolic `keras.Input` tensors while building a functional model. In
+    graph and eager steps the gradient recomputes the sigmoid, so the
+    backward pass keeps only `x` (as `tf.nn.silu` does), and forward and
+    backward each run as one fused kernel: XLA's, or for bfloat16 with `beta`
+    1 in a graph step where TensorFlow's oneDNN kernels are on, oneDNN's
+    swish for the forward pass. Inside a `jit_compile=True` step it is plain
+    ops, as the `Swish` layer describes.
 
     Args:
         x: Float input tensor (any float dtype) or `KerasTensor`.
@@ -240,7 +246,8 @@ class Swish(keras.layers.Layer):
     """Swish activation layer, `x * sigmoid(beta * x)`, optionally Swish-beta.
 
     Computes in the layer's compute dtype: inputs are cast to it, outputs and
-    input gradients have it, and no float32 tensor is ever written to memory.
+    input gradients have it, and in graph and eager steps no float32 tensor
+    is ever written to memory.
     Inside each fused XLA kernel the arithmetic runs in float32 registers (XLA
     widens bfloat16 there anyway), so each result is rounded once; so does
     oneDNN's swish kernel, which runs the bfloat16 forward pass with the
@@ -248,11 +255,13 @@ class Swish(keras.layers.Layer):
     (grappler fuses `x * sigmoid(x)` into it). Inside a
     model compiled with `jit_compile=True` the layer is plain ops XLA fuses
     with its neighbours (float16 with a fixed `beta`: Keras's formula, in
-    float16, as `Activation("swish")`). The
+    float16, as `Activation("swish")`). In graph and eager steps the
     gradient recomputes the sigmoid instead of storing it, so a training step
-    keeps no more than `Activation("swish")` does (inside such a model, XLA
-    keeps a float32 sigmoid of smaller inputs, and of bfloat16 ones where
-    oneDNN is on, as that was faster; and Keras's for float16 ones). XLA
+    keeps no more than `Activation("swish")` does. Inside a compiled model
+    the backward pass recomputes it only for inputs of a size known when the
+    step is traced and large enough (`_keeps_sigmoid_in_xla`); elsewhere XLA
+    keeps the sigmoid between the passes, in float32 (a float16 input with a
+    fixed `beta`: Keras's, in float16), as that was faster. XLA
     compiles a kernel per input shape, so inputs whose length changes from
     batch to batch are padded to one of two sizes per power of two (bounded
     compilations). With

@@ -172,7 +172,7 @@ def unmeasured_path(elements, trailing_statistics, dtype, batch_norm_applies) ->
     ratios = nearest.get("ratios", {})  # a hand-written cell may have none
     if safe not in ratios or KERAS_FORMULA not in ratios:
         return safe
-    return KERAS_FORMULA if ratios[safe] > ratios[KERAS_FORMULA] else safe
+    return _no_slower_than_formula(ratios, safe)
 
 
 def _nearest_cell(elements, trailing_statistics, dtype, unknown_batch):
@@ -243,10 +243,14 @@ def winner(ratios, safe) -> str:
     >>> winner({"keras_formula": 1.0, "batch_norm": 1.2}, "batch_norm")
     'keras_formula'
     """
-    if ratios[safe] > ratios[KERAS_FORMULA]:
-        safe = KERAS_FORMULA
+    safe = _no_slower_than_formula(ratios, safe)
     fastest = min(ratios, key=ratios.get)
     return fastest if ratios[fastest] < WIN_MARGIN * ratios[safe] else safe
+
+
+def _no_slower_than_formula(ratios, safe):
+    """Return `safe`, or Keras's formula where `ratios` timed it faster."""
+    return KERAS_FORMULA if ratios[safe] > ratios[KERAS_FORMULA] else safe
 
 
 def safe_path(

@@ -19,12 +19,16 @@ from keras_amp_plus.layers._precision import statistics_dtype
 RECOMPUTE_SIGMOID_MIN_ELEMENTS = {"float32": 2**22, "bfloat16": 2**23}
 
 
-@tf.function(jit_compile=True)
-def _swish_forward(x, beta):
+def _swish_values(x, beta):
     # XLA keeps the elementwise arithmetic in float32 registers (it widens
     # bfloat16 there anyway); only compute-dtype tensors are read or written.
     x_wide = tf.cast(x, beta.dtype)
     return tf.cast(x_wide * tf.sigmoid(beta * x_wide), x.dtype)
+
+
+@tf.function(jit_compile=True)
+def _swish_forward(x, beta):
+    return _swish_values(x, beta)
 
 
 def _swish_gradients(upstream, x, beta, with_beta_grad, sigmoid=tf.sigmoid):
@@ -127,8 +131,7 @@ def _swish_recomputing_sigmoid(x, beta, with_beta_grad):
                 upstream, x, beta, with_beta_grad, sigmoid=_sigmoid_apart
             )
 
-        x_wide = tf.cast(x, beta.dtype)
-        return tf.cast(x_wide * tf.sigmoid(beta * x_wide), x.dtype), grad
+        return _swish_values(x, beta), grad
 
     return swish_with_gradient(x, beta)
 

@@ -15,9 +15,11 @@ one forward + backward step (gradients w.r.t. the input and every weight,
 upstream gradient given) is wrapped in a `tf.function` ("graph" step), in one
 traced for any batch size ("tfdata" step: the batch axis unknown when traced,
 as `fit` traces a `tf.data` pipeline without `drop_remainder` or data with a
-partial last batch) and in a `tf.function(jit_compile=True)` ("xla" step: the
+partial last batch), in a `tf.function(jit_compile=True)` ("xla" step: the
 layer inlined into one XLA cluster, as in a model compiled with
-`jit_compile=True`). Ours and Keras's
+`jit_compile=True`) and in one traced for any batch size too ("xla_tfdata":
+as `fit(jit_compile=True)` traces such a pipeline; XLA then compiles the
+shape it is called with). Ours and Keras's
 steps are called interleaved, call by call, after a warm-up; each figure is the
 median process CPU time (`time.process_time()`, all threads) of `--reps`
 calls (more for cheap cells, see `MIN_CELL_SECONDS`), so load from other
@@ -72,7 +74,9 @@ from keras_amp_plus.layers import _path_calibration
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 POLICIES = ("mixed_bfloat16", "mixed_float16", "float32")
-STEPS = ("graph", "tfdata", "xla")
+STEPS = ("graph", "tfdata", "xla", "xla_tfdata")
+ANY_BATCH_STEPS = ("tfdata", "xla_tfdata")
+XLA_STEPS = ("xla", "xla_tfdata")
 TARGET_WORST, TARGET_MEDIAN = 1.0, 0.6
 # Calls per implementation and cell: at least --reps, more for cheap cells
 # until one implementation has run MIN_CELL_SECONDS of CPU time, at most
@@ -156,11 +160,11 @@ class AffineFloor(keras.layers.Layer):
 def make_step(layer, step_kind, shape, dtype):
     """Return a tf.function running forward + backward through `layer`."""
     signature = None
-    if step_kind == "tfdata":
+    if step_kind in ANY_BATCH_STEPS:
         spec = tf.TensorSpec((None, *shape[1:]), dtype)
         signature = [spec, spec]
 
-    @tf.function(jit_compile=step_kind == "xla", input_signature=signature)
+    @tf.function(jit_compile=step_kind in XLA_STEPS, input_signature=signature)
     def step(x, upstream):
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -219,7 +223,7 @@ def time_cell(
     finally:
         keras.config.set_dtype_policy(previous)
     x, upstream = inputs_for(shape, dtype)
-    jit = step_kind == "xla"
+    jit = step_kind in XLA_STEPS
     steps = {
         who: make_step(layer, step_kind, shape, dtype)
         for who, layer in (("ours", ours), ("keras", theirs))
@@ -291,7 +295,7 @@ def summarize(rows):
 
 def print_summary(summary):
     print(
-        f"\n{'layer':<6} {'step':<6} {'policy':<15} {'worst':>6} {'median':>7} "
+        f"\n{'layer':<6} {'step':<10} {'policy':<15} {'worst':>6} {'median':>7} "
         f"{'floor':>6} {'A/A':>5}  at"
     )
     for key, (worst, median, shape, floor, control) in sorted(summary.items()):
@@ -300,7 +304,7 @@ def print_summary(summary):
         floor_text = "" if floor is None else f"{floor:.2f}"
         control_text = "" if control is None else f"{control:.2f}"
         print(
-            f"{kind:<6} {step:<6} {policy:<15} {worst:6.2f} {median:7.2f} "
+            f"{kind:<6} {step:<10} {policy:<15} {worst:6.2f} {median:7.2f} "
             f"{floor_text:>6} {control_text:>5}  {shape}{flag}"
         )
     print(
@@ -366,7 +370,7 @@ def main():
     calibration = None if args.no_calibrate else calibrate(args.quick)
     rows = []
     print(
-        f"\n{'layer':<6} {'shape':<20} {'policy':<15} {'step':<6} "
+        f"\n{'layer':<6} {'shape':<20} {'policy':<15} {'step':<10} "
         f"{'ours ms':>8} {'keras ms':>9} {'ratio':>6}"
     )
     for kind in args.layers:
@@ -387,7 +391,7 @@ def main():
                     control = row.get("control_ratio")
                     rows.append(row)
                     print(
-                        f"{kind:<6} {shape!s:<20} {policy:<15} {step_kind:<6} "
+                        f"{kind:<6} {shape!s:<20} {policy:<15} {step_kind:<10} "
                         f"{row['ours_ms']:8.2f} {row['keras_ms']:9.2f} "
                         f"{row['ratio']:6.2f}"
                         + ("" if floor is None else f"  floor {floor:.2f}")

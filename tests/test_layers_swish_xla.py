@@ -18,10 +18,10 @@ from keras_amp_plus.layers import _swish_activation
 SHAPE = (64, 32)
 
 
-def _xla_step(layer):
+def _xla_step(layer, input_signature=None):
     layer.build(SHAPE)  # its weights exist before the step is traced
 
-    @tf.function(jit_compile=True)
+    @tf.function(jit_compile=True, input_signature=input_signature)
     def step(x, upstream):
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -68,9 +68,17 @@ def _check_keras_float16_formula(outputs, x_grad, x, upstream64):
         assert worst <= 12, f"{worst:.2f} float16 roundings"
 
 
-def _exponentials_in_compiled_step(layer, dtype):
-    x, upstream, _, _ = float_inputs(SHAPE, 0.0, dtype)
-    hlo = _xla_step(layer).experimental_get_compiler_ir(x, upstream)("optimized_hlo")
+def _any_batch_size(dtype):
+    # As `fit` traces a `tf.data` pipeline batched without `drop_remainder`.
+    spec = tf.TensorSpec((None, *SHAPE[1:]), dtype)
+    return [spec, spec]
+
+
+def _exponentials_in_compiled_step(layer, dtype, shape=SHAPE, any_batch=False):
+    x, upstream, _, _ = float_inputs(shape, 0.0, dtype)
+    signature = _any_batch_size(dtype) if any_batch else None
+    step = _xla_step(layer, signature)
+    hlo = step.experimental_get_compiler_ir(x, upstream)("optimized_hlo")
     return hlo.count(" exponential(")
 
 
@@ -100,3 +108,41 @@ def test_small_inputs_keep_the_sigmoid(policy_name, monkeypatch):
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: False)
     compute = use_policy(policy_name).compute_dtype
     assert _exponentials_in_compiled_step(layers.Swish(), compute) == 1
+
+
+@pytest.mark.parametrize("onednn", (True, False))
+@pytest.mark.parametrize("policy_name", POLICIES)
+def test_a_step_traced_for_any_batch_size_matches_float64(
+    policy_name, onednn, monkeypatch
+):
+    _force_onednn(monkeypatch, onednn)
+    compute = use_policy(policy_name).compute_dtype
+    layer = layers.Swish(beta=1.5, trainable_beta=True)
+    step = _xla_step(layer, _any_batch_size(compute))
+    for batch in (16, SHAPE[0]):  # a small and a large size
+        x, upstream, _, upstream64 = float_inputs((batch, SHAPE[1]), 0.0, compute)
+        outputs, grads = step(x * 4.0, upstream)
+        check_swish(outputs, grads, x * 4.0, upstream64, 1.5, compute, True)
+
+
+@pytest.mark.parametrize(
+    ("policy_name", "onednn", "batch", "exponentials"),
+    (
+        ("float32", True, SHAPE[0], 2),
+        ("float32", True, 16, 1),
+        ("mixed_bfloat16", False, SHAPE[0], 2),
+        ("mixed_bfloat16", False, 16, 1),
+        ("mixed_bfloat16", True, SHAPE[0], 1),
+    ),
+)
+def test_a_step_traced_for_any_batch_size_chooses_by_the_compiled_size(
+    policy_name, onednn, batch, exponentials, monkeypatch
+):
+    # XLA compiles each batch size with its size known and folds the choice.
+    _force_onednn(monkeypatch, onednn)
+    compute = use_policy(policy_name).compute_dtype
+    shape = (batch, SHAPE[1])
+    count = _exponentials_in_compiled_step(
+        layers.Swish(), compute, shape, any_batch=True
+    )
+    assert count == exponentials

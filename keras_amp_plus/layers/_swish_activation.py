@@ -98,8 +98,8 @@ def _sigmoid_apart(z):
     return 1.0 / (1.0 + half * half)
 
 
-def _keeps_sigmoid_in_xla(x) -> bool:
-    """Return True where XLA had better keep the sigmoid for the backward pass.
+def _recompute_threshold(x):
+    """Return the size from which XLA had better recompute the sigmoid, or None.
 
     A kept sigmoid is a float32 tensor (the arithmetic's dtype) written in the
     forward pass and read in the backward one; recomputing it costs one more
@@ -108,28 +108,40 @@ def _keeps_sigmoid_in_xla(x) -> bool:
     the memory traffic for large ones: float32 inputs recompute it from
     `RECOMPUTE_SIGMOID_MIN_ELEMENTS` on, bfloat16 inputs (whose own size is
     half the kept sigmoid's) only where TensorFlow's oneDNN kernels are off.
-    float16 inputs keep it too (Keras's formula with a fixed `beta`,
-    `_swish_for_xla`), and so do inputs whose size is unknown when the step
-    is traced (an unknown batch size, as `fit` traces a `tf.data` pipeline):
-    the choice is made then, for every size the step will see.
+    float16 inputs always keep it (Keras's formula with a fixed `beta`,
+    `_swish_for_xla`): None.
     """
     if x.dtype == tf.float16:
-        return True
+        return None
     wide = x.dtype.size >= 4  # float32 or float64
     if not wide and _compat.onednn_enabled() is not False:
-        return True
-    elements = x.shape.num_elements()
-    threshold = RECOMPUTE_SIGMOID_MIN_ELEMENTS["float32" if wide else "bfloat16"]
-    return elements is None or elements < threshold
+        return None
+    return RECOMPUTE_SIGMOID_MIN_ELEMENTS["float32" if wide else "bfloat16"]
 
 
-def _swish_recomputing_sigmoid(x, beta, with_beta_grad):
+def _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, recompute):
+    """Swish whose backward pass recomputes the sigmoid or reads the kept one.
+
+    `recompute` is a Python bool, or for inputs whose size is unknown when
+    the step is traced (an unknown batch size, as `fit` traces a `tf.data`
+    pipeline) a boolean tensor of that size: XLA compiles each input shape
+    with every size known, so it folds the `tf.cond` away and merges the
+    kept branch's sigmoid with the forward pass's, as for a known size.
+    """
+
     @tf.custom_gradient
     def swish_with_gradient(x, beta):
         def grad(upstream):
-            return _swish_gradients(
-                upstream, x, beta, with_beta_grad, sigmoid=_sigmoid_apart
-            )
+            def gradients_with(sigmoid):
+                return lambda: _swish_gradients(
+                    upstream, x, beta, with_beta_grad, sigmoid=sigmoid
+                )
+
+            recomputed = gradients_with(_sigmoid_apart)
+            kept = gradients_with(tf.sigmoid)
+            if isinstance(recompute, bool):
+                return recomputed() if recompute else kept()
+            return tf.cond(recompute, recomputed, kept)
 
         return _swish_values(x, beta), grad
 
@@ -144,14 +156,19 @@ def _swish_for_xla(x, beta, with_beta_grad):
     inlined into the model's cluster and win nothing. The arithmetic runs in
     `beta`'s dtype (float32 or wider) and the result is rounded once. The
     backward pass recomputes the sigmoid from x where that is faster than
-    keeping it (`_keeps_sigmoid_in_xla`); where XLA keeps it, it is
+    keeping it (`_recompute_threshold`); where XLA keeps it, it is
     TensorFlow's `silu` gradient, except for float16 inputs with a fixed
     `beta`: there Keras's own formula, in float16, which XLA runs
     natively on CPUs with AVX512-FP16 and which was faster than widening to
     float32.
     """
-    if not _keeps_sigmoid_in_xla(x):
-        return _swish_recomputing_sigmoid(x, beta, with_beta_grad)
+    threshold = _recompute_threshold(x)
+    elements = x.shape.num_elements()
+    if threshold is not None and elements is None:
+        large = tf.size(x, out_type=tf.int64) >= threshold
+        return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, large)
+    if threshold is not None and elements >= threshold:
+        return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, True)
     if x.dtype == tf.float16 and not with_beta_grad:
         return tf.nn.silu(x, tf.cast(beta, x.dtype))
     return tf.cast(tf.nn.silu(tf.cast(x, beta.dtype), beta), x.dtype)
@@ -261,8 +278,8 @@ class Swish(keras.layers.Layer):
     float16, as `Activation("swish")`). In graph and eager steps the
     gradient recomputes the sigmoid instead of storing it, so a training step
     keeps no more than `Activation("swish")` does. Inside a compiled model
-    the backward pass recomputes it only for inputs of a size known when the
-    step is traced and large enough (`_keeps_sigmoid_in_xla`); elsewhere XLA
+    the backward pass recomputes it only for inputs large enough that this
+    was faster (`_recompute_threshold`; XLA knows every size); elsewhere XLA
     keeps the sigmoid between the passes, in float32 (a float16 input with a
     fixed `beta`: Keras's, in float16), as that was faster. XLA
     compiles a kernel per input shape, so inputs whose length changes from

@@ -1,5 +1,6 @@
 """Swish inside a model XLA compiles whole: numerics and the kept sigmoid."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -146,3 +147,27 @@ def test_a_step_traced_for_any_batch_size_chooses_by_the_compiled_size(
         layers.Swish(), compute, shape, any_batch=True
     )
     assert count == exponentials
+
+
+def test_fit_with_jit_compile_trains_through_both_choices(monkeypatch):
+    # `fit(jit_compile=True)` on a pipeline with a partial last batch: the
+    # full batches recompute the sigmoid, the last one keeps it.
+    _force_onednn(monkeypatch, False)
+    use_policy("float32")
+    model = keras.Sequential(
+        [
+            keras.Input((SHAPE[1],)),
+            keras.layers.Dense(SHAPE[1]),
+            layers.Swish(trainable_beta=True),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(100, SHAPE[1])).astype("float32")
+    y = np.sin(x[:, :1])
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(48)  # 48, 48, 4
+    history = model.fit(batches, epochs=4, shuffle=False, verbose=0)
+    losses = history.history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert float(model.layers[1].beta.numpy()) != 1.0

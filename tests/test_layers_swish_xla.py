@@ -1,5 +1,7 @@
 """Swish inside a model XLA compiles whole: numerics and the kept sigmoid."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -75,12 +77,38 @@ def _any_batch_size(dtype):
     return [spec, spec]
 
 
-def _exponentials_in_compiled_step(layer, dtype, shape=SHAPE, any_batch=False):
+def _optimized_hlo(layer, dtype, shape=SHAPE, any_batch=False):
     x, upstream, _, _ = float_inputs(shape, 0.0, dtype)
     signature = _any_batch_size(dtype) if any_batch else None
     step = _xla_step(layer, signature)
-    hlo = step.experimental_get_compiler_ir(x, upstream)("optimized_hlo")
-    return hlo.count(" exponential(")
+    return step.experimental_get_compiler_ir(x, upstream)("optimized_hlo")
+
+
+def _exponentials_in_compiled_step(layer, dtype, shape=SHAPE, any_batch=False):
+    return _optimized_hlo(layer, dtype, shape, any_batch).count(" exponential(")
+
+
+def _without_names(hlo):
+    # Instruction, computation and module names differ from trace to trace.
+    hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)
+    hlo = re.sub(r"(HloModule|ENTRY) \S+", r"\1", hlo)
+    return re.sub(r"%[\w.]+", "%name", hlo)
+
+
+@pytest.mark.parametrize("any_batch", (False, True))
+@pytest.mark.parametrize("policy_name", ("float32", "mixed_float16"))
+def test_where_the_sigmoid_is_kept_xla_runs_keras_own_program(
+    policy_name, any_batch, monkeypatch
+):
+    # float32 below the threshold and float16 compile to exactly the program
+    # of Keras's `Activation("swish")`: no slower, by construction.
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: False)
+    compute = use_policy(policy_name).compute_dtype
+    ours = _optimized_hlo(layers.Swish(), compute, any_batch=any_batch)
+    keras_own = _optimized_hlo(
+        keras.layers.Activation("swish"), compute, any_batch=any_batch
+    )
+    assert _without_names(ours) == _without_names(keras_own)
 
 
 @pytest.mark.parametrize(
@@ -112,18 +140,23 @@ def test_small_inputs_keep_the_sigmoid(policy_name, monkeypatch):
 
 
 @pytest.mark.parametrize("onednn", (True, False))
+@pytest.mark.parametrize("trainable_beta", (False, True))
 @pytest.mark.parametrize("policy_name", POLICIES)
 def test_a_step_traced_for_any_batch_size_matches_float64(
-    policy_name, onednn, monkeypatch
+    policy_name, trainable_beta, onednn, monkeypatch
 ):
     _force_onednn(monkeypatch, onednn)
     compute = use_policy(policy_name).compute_dtype
-    layer = layers.Swish(beta=1.5, trainable_beta=True)
+    layer = layers.Swish(beta=1.5, trainable_beta=trainable_beta)
     step = _xla_step(layer, _any_batch_size(compute))
     for batch in (16, SHAPE[0]):  # a small and a large size
         x, upstream, _, upstream64 = float_inputs((batch, SHAPE[1]), 0.0, compute)
-        outputs, grads = step(x * 4.0, upstream)
-        check_swish(outputs, grads, x * 4.0, upstream64, 1.5, compute, True)
+        x = x * 4.0  # into both tails of the sigmoid
+        outputs, grads = step(x, upstream)
+        if compute == "float16" and not trainable_beta:
+            _check_keras_float16_formula(outputs, grads[0], x, upstream64)
+            continue
+        check_swish(outputs, grads, x, upstream64, 1.5, compute, trainable_beta)
 
 
 @pytest.mark.parametrize(
@@ -134,6 +167,7 @@ def test_a_step_traced_for_any_batch_size_matches_float64(
         ("mixed_bfloat16", False, SHAPE[0], 2),
         ("mixed_bfloat16", False, 16, 1),
         ("mixed_bfloat16", True, SHAPE[0], 1),
+        ("mixed_float16", False, SHAPE[0], 1),
     ),
 )
 def test_a_step_traced_for_any_batch_size_chooses_by_the_compiled_size(
@@ -149,25 +183,34 @@ def test_a_step_traced_for_any_batch_size_chooses_by_the_compiled_size(
     assert count == exponentials
 
 
-def test_fit_with_jit_compile_trains_through_both_choices(monkeypatch):
-    # `fit(jit_compile=True)` on a pipeline with a partial last batch: the
-    # full batches recompute the sigmoid, the last one keeps it.
-    _force_onednn(monkeypatch, False)
-    use_policy("float32")
+def _fit_swish_model(activation, batches):
+    keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [
             keras.Input((SHAPE[1],)),
             keras.layers.Dense(SHAPE[1]),
-            layers.Swish(trainable_beta=True),
+            activation,
             keras.layers.Dense(1),
         ]
     )
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=True)
+    history = model.fit(batches, epochs=3, shuffle=False, verbose=0)
+    return history.history["loss"], model.get_weights()
+
+
+def test_fit_with_jit_compile_trains_as_keras_does_through_both_choices(monkeypatch):
+    # `fit(jit_compile=True)` on a pipeline with a partial last batch: the
+    # full batches recompute the sigmoid, the last one keeps it. The same
+    # weights trained with Keras's activation must follow the same path.
+    _force_onednn(monkeypatch, False)
+    use_policy("float32")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(100, SHAPE[1])).astype("float32")
     y = np.sin(x[:, :1])
     batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(48)  # 48, 48, 4
-    history = model.fit(batches, epochs=4, shuffle=False, verbose=0)
-    losses = history.history["loss"]
-    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
-    assert float(model.layers[1].beta.numpy()) != 1.0
+    ours = _fit_swish_model(layers.Swish(), batches)
+    theirs = _fit_swish_model(keras.layers.Activation("swish"), batches)
+    assert ours[0][-1] < ours[0][0]
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
+    for mine, keras_weight in zip(ours[1], theirs[1], strict=True):
+        np.testing.assert_allclose(mine, keras_weight, rtol=1e-4, atol=1e-6)

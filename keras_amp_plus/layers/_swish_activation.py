@@ -98,7 +98,7 @@ def _sigmoid_apart(z):
     return 1.0 / (1.0 + half * half)
 
 
-def _recompute_threshold(x):
+def _recompute_threshold(x) -> int | None:
     """Return the size from which XLA had better recompute the sigmoid, or None.
 
     A kept sigmoid is a float32 tensor (the arithmetic's dtype) written in the
@@ -124,9 +124,12 @@ def _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, recompute):
 
     `recompute` is a Python bool, or for inputs whose size is unknown when
     the step is traced (an unknown batch size, as `fit` traces a `tf.data`
-    pipeline) a boolean tensor of that size: XLA compiles each input shape
-    with every size known, so it folds the `tf.cond` away and merges the
-    kept branch's sigmoid with the forward pass's, as for a known size.
+    pipeline) a scalar boolean tensor, whether that size reaches the
+    threshold: XLA compiles each input shape with its sizes known, so it
+    folds the `tf.cond` away and merges the kept branch's sigmoid with the
+    forward pass's, as for a known size. (A size XLA knows only a bound of,
+    after a `tf.boolean_mask` say, keeps the conditional: correct, but the
+    kept branch then computes its own sigmoid.)
     """
 
     @tf.custom_gradient

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import keras_amp_plus as kap
 from keras_amp_plus import _compat
+from keras_amp_plus.layers import _swish_activation
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 # One rounding of the output per dtype, plus float32 arithmetic slop relative to
@@ -74,7 +75,7 @@ def rounded(values, dtype):
 
 
 def forward_backward(layer, x, upstream):
-    x = tf.constant(x)
+    x = tf.convert_to_tensor(x)
     with tf.GradientTape() as tape:
         tape.watch(x)
         outputs = layer(x)
@@ -158,12 +159,40 @@ def test_instance_normalization_matches_float64(policy):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_swish_matches_float64(policy):
     x, upstream = inputs((8, 32), 0.0)
-    x = 4.0 * x
     layer = kap.layers.Swish(beta=1.5, trainable_beta=True, dtype=policy)
-    outputs, (x_grad, beta_grad) = forward_backward(layer, x, upstream)
-    compute = _compat.dtype_policy(policy).compute_dtype
+    outputs, grads = forward_backward(layer, 4.0 * x, upstream)
+    check_swish(outputs, grads, 4.0 * x, upstream, layer)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_swish_inside_xla_traced_for_any_batch_size_matches_float64(
+    policy, monkeypatch
+):
+    # As `fit(jit_compile=True)` traces a pipeline with a partial last batch;
+    # small thresholds make the larger batch recompute the sigmoid.
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: False)
+    small = {"float32": 1024, "bfloat16": 1024}
+    monkeypatch.setattr(_swish_activation, "RECOMPUTE_SIGMOID_MIN_ELEMENTS", small)
+    layer = kap.layers.Swish(beta=1.5, trainable_beta=True, dtype=policy)
+    layer.build((None, 32))
+    spec = tf.TensorSpec((None, 32), tf.float32)
+
+    @tf.function(jit_compile=True, input_signature=[spec, spec])
+    def step(x, upstream):
+        return forward_backward(layer, x, upstream)
+
+    for batch in (8, 64):  # 256 and 2048 elements
+        x, upstream = inputs((batch, 32), 0.0)
+        outputs, grads = step(4.0 * x, upstream)
+        check_swish(outputs, grads, 4.0 * x, upstream, layer)
+
+
+def check_swish(outputs, grads, x, upstream, layer):
+    """Check Swish's output and gradients (x, beta) against float64."""
+    x_grad, beta_grad = grads
+    compute = _compat.standardize_dtype(layer.compute_dtype)
     # The layer computes on its input rounded to the compute dtype.
-    x64 = f64(tf.cast(tf.cast(x, compute), tf.float64))
+    x64 = rounded(x, compute)
     sigmoid = 1.0 / (1.0 + np.exp(-1.5 * x64))
     expected = x64 * sigmoid
     slope = sigmoid * (1.0 + 1.5 * x64 * (1.0 - sigmoid))

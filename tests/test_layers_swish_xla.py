@@ -35,6 +35,12 @@ def _xla_step(layer, input_signature=None):
     return step
 
 
+def _any_batch_size(dtype):
+    # As `fit` traces a `tf.data` pipeline batched without `drop_remainder`.
+    spec = tf.TensorSpec((None, *SHAPE[1:]), dtype)
+    return [spec, spec]
+
+
 def _force_onednn(monkeypatch, onednn):
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: onednn)
     # Small enough that the test's input counts as large.
@@ -42,22 +48,26 @@ def _force_onednn(monkeypatch, onednn):
     monkeypatch.setattr(_swish_activation, "RECOMPUTE_SIGMOID_MIN_ELEMENTS", small)
 
 
+@pytest.mark.parametrize("any_batch", (False, True))
 @pytest.mark.parametrize("onednn", (True, False))
 @pytest.mark.parametrize("trainable_beta", (False, True))
 @pytest.mark.parametrize("policy_name", POLICIES)
 def test_swish_inside_xla_matches_float64(
-    policy_name, trainable_beta, onednn, monkeypatch
+    policy_name, trainable_beta, onednn, any_batch, monkeypatch
 ):
     _force_onednn(monkeypatch, onednn)
     compute = use_policy(policy_name).compute_dtype
     layer = layers.Swish(beta=1.5, trainable_beta=trainable_beta)
-    x, upstream, _, upstream64 = float_inputs(SHAPE, 0.0, compute)
-    x = x * 4.0  # into both tails of the sigmoid
-    outputs, grads = _xla_step(layer)(x, upstream)
-    if compute == "float16" and not trainable_beta:
-        _check_keras_float16_formula(outputs, grads[0], x, upstream64)
-        return
-    check_swish(outputs, grads, x, upstream64, 1.5, compute, trainable_beta)
+    step = _xla_step(layer, _any_batch_size(compute) if any_batch else None)
+    # Traced for any batch size, a small and a large batch take both choices.
+    for batch in (16, SHAPE[0]) if any_batch else (SHAPE[0],):
+        x, upstream, _, upstream64 = float_inputs((batch, SHAPE[1]), 0.0, compute)
+        x = x * 4.0  # into both tails of the sigmoid
+        outputs, grads = step(x, upstream)
+        if compute == "float16" and not trainable_beta:
+            _check_keras_float16_formula(outputs, grads[0], x, upstream64)
+            continue
+        check_swish(outputs, grads, x, upstream64, 1.5, compute, trainable_beta)
 
 
 def _check_keras_float16_formula(outputs, x_grad, x, upstream64):
@@ -69,12 +79,6 @@ def _check_keras_float16_formula(outputs, x_grad, x, upstream64):
         scale = np.abs(expected) + np.abs(expected).max() / 64
         worst = float((error / scale).max() / 2.0**-11)
         assert worst <= 12, f"{worst:.2f} float16 roundings"
-
-
-def _any_batch_size(dtype):
-    # As `fit` traces a `tf.data` pipeline batched without `drop_remainder`.
-    spec = tf.TensorSpec((None, *SHAPE[1:]), dtype)
-    return [spec, spec]
 
 
 def _optimized_hlo(layer, dtype, shape=SHAPE, any_batch=False):
@@ -137,26 +141,6 @@ def test_small_inputs_keep_the_sigmoid(policy_name, monkeypatch):
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: False)
     compute = use_policy(policy_name).compute_dtype
     assert _exponentials_in_compiled_step(layers.Swish(), compute) == 1
-
-
-@pytest.mark.parametrize("onednn", (True, False))
-@pytest.mark.parametrize("trainable_beta", (False, True))
-@pytest.mark.parametrize("policy_name", POLICIES)
-def test_a_step_traced_for_any_batch_size_matches_float64(
-    policy_name, trainable_beta, onednn, monkeypatch
-):
-    _force_onednn(monkeypatch, onednn)
-    compute = use_policy(policy_name).compute_dtype
-    layer = layers.Swish(beta=1.5, trainable_beta=trainable_beta)
-    step = _xla_step(layer, _any_batch_size(compute))
-    for batch in (16, SHAPE[0]):  # a small and a large size
-        x, upstream, _, upstream64 = float_inputs((batch, SHAPE[1]), 0.0, compute)
-        x = x * 4.0  # into both tails of the sigmoid
-        outputs, grads = step(x, upstream)
-        if compute == "float16" and not trainable_beta:
-            _check_keras_float16_formula(outputs, grads[0], x, upstream64)
-            continue
-        check_swish(outputs, grads, x, upstream64, 1.5, compute, trainable_beta)
 
 
 @pytest.mark.parametrize(

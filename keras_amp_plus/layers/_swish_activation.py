@@ -122,7 +122,7 @@ def _recompute_threshold(x) -> int | None:
 def _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, recompute):
     """Swish whose backward pass recomputes the sigmoid or reads the kept one.
 
-    `recompute` is a Python bool, or for inputs whose size is unknown when
+    `recompute` is True, or for inputs whose size is unknown when
     the step is traced (an unknown batch size, as `fit` traces a `tf.data`
     pipeline) a scalar boolean tensor, whether that size reaches the
     threshold: XLA compiles each input shape with its sizes known, so it
@@ -141,10 +141,9 @@ def _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, recompute):
                 )
 
             recomputed = gradients_with(_sigmoid_apart)
-            kept = gradients_with(tf.sigmoid)
-            if isinstance(recompute, bool):
-                return recomputed() if recompute else kept()
-            return tf.cond(recompute, recomputed, kept)
+            if recompute is True:
+                return recomputed()
+            return tf.cond(recompute, recomputed, gradients_with(tf.sigmoid))
 
         return _swish_values(x, beta), grad
 
@@ -166,12 +165,13 @@ def _swish_for_xla(x, beta, with_beta_grad):
     float32.
     """
     threshold = _recompute_threshold(x)
-    elements = x.shape.num_elements()
-    if threshold is not None and elements is None:
-        large = tf.size(x, out_type=tf.int64) >= threshold
-        return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, large)
-    if threshold is not None and elements >= threshold:
-        return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, True)
+    if threshold is not None:
+        elements = x.shape.num_elements()
+        if elements is None:
+            large = tf.size(x, out_type=tf.int64) >= threshold
+            return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, large)
+        if elements >= threshold:
+            return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, True)
     if x.dtype == tf.float16 and not with_beta_grad:
         return tf.nn.silu(x, tf.cast(beta, x.dtype))
     return tf.cast(tf.nn.silu(tf.cast(x, beta.dtype), beta), x.dtype)

@@ -1,14 +1,20 @@
-"""Can ITEX run bfloat16 on this CPU? Asked of a child process, never of this one.
+"""Can ITEX's kernels run a dtype on this CPU? Asked of a child process, not this one.
 
-ITEX's CPU build picks a backend by CPU: "AVX512" on Intel Xeons with AVX512,
-"AVX2" elsewhere. On the AVX2 backend float32 works but the first bfloat16
-MatMul aborts the whole process from C++ (`dnnl::error`, "could not create a
-primitive descriptor for a matmul primitive"): there is no Python exception to
-catch. So a child Python runs one bfloat16 MatMul forward and backward and
-reports; a child killed by a signal means "no". The answer is cached for the
-process and on disk, keyed by the CPU's flags and the ITEX, TensorFlow and
-Python versions, because the child costs several seconds (it imports
-TensorFlow).
+ITEX's CPU build picks a backend by CPU: "AVX512" on CPUs with AVX512, "AVX2"
+elsewhere, and its oneDNN kernels exist for fewer dtypes than the op
+registrations promise. On the AVX2 backend float32 works but the first
+bfloat16 MatMul aborts the whole process from C++ (`dnnl::error`, "could not
+create a primitive descriptor for a matmul primitive"): there is no Python
+exception to catch. On an AMD EPYC with AVX512-BF16 but no AVX512-FP16 the
+AVX512 backend runs bfloat16, but its float16 layer norm fails at the first
+call ("could not create a primitive descriptor for a layer normalization
+forward propagation primitive"), in the middle of a user's training step.
+
+So each question is a probe: a child Python runs the kernel forward and
+backward and reports; a child killed by a signal or failing means "no". The
+answers are cached for the process and on disk, keyed by the probe, the CPU's
+flags and the ITEX, TensorFlow and Python versions, because a child costs
+several seconds (it imports TensorFlow).
 """
 
 import functools
@@ -26,8 +32,8 @@ from keras_amp_plus import _hardware
 _BACKEND_PATTERN = re.compile(r"(\w+) CPU backend is loaded")
 _CHILD_TIMEOUT_SECONDS = 300
 
-# Runs in the child: import ITEX, then one bfloat16 MatMul forward + backward.
-_CHILD_SCRIPT = """
+# Run in the child: import ITEX, run one kernel forward + backward, print JSON.
+_BFLOAT16_MATMUL_SCRIPT = """
 import json
 import intel_extension_for_tensorflow as itex
 import tensorflow as tf
@@ -42,6 +48,34 @@ backend = itex.get_backend()
 backend = backend.decode() if isinstance(backend, bytes) else str(backend)
 print(json.dumps({"finite": finite, "itex_backend": backend}))
 """
+
+# The layer-norm op our LayerNormalization runs on the ITEX stack, in float16.
+_FLOAT16_LAYER_NORM_SCRIPT = """
+import json
+import intel_extension_for_tensorflow as itex
+import tensorflow as tf
+from keras_amp_plus import _compat
+
+layer_norm = _compat.itex_layer_norm_op(tf.float16)
+if layer_norm is None:
+    raise SystemExit("error: this ITEX has no layer-norm op")
+x = tf.cast(tf.random.stateless_normal((16, 64), seed=(1, 2)), tf.float16)
+with tf.GradientTape() as tape:
+    tape.watch(x)
+    outputs = layer_norm(
+        x, tf.ones([64]), tf.zeros([64]), epsilon=1e-3, is_training=True,
+        data_format="NHWC",
+    )[0]
+gradient = tape.gradient(outputs, x)
+finite = bool(tf.reduce_all(tf.math.is_finite(tf.cast(gradient, tf.float32))))
+print(json.dumps({"finite": finite}))
+"""
+
+# Probe name -> (child script, what it runs, as `parse_child`'s reasons name it).
+PROBES = {
+    "bfloat16_matmul": (_BFLOAT16_MATMUL_SCRIPT, "a bfloat16 MatMul"),
+    "float16_layer_norm": (_FLOAT16_LAYER_NORM_SCRIPT, "a float16 layer norm"),
+}
 
 
 def _cpu_flags() -> str:
@@ -63,9 +97,10 @@ def _version(distribution: str) -> str:
         return "none"
 
 
-def cache_key() -> str:
-    """Return the key the on-disk answer is stored under."""
+def cache_key(probe: str = "bfloat16_matmul") -> str:
+    """Return the key the on-disk answer of `probe` is stored under."""
     parts = [
+        probe,
         _cpu_flags(),
         _version("intel-extension-for-tensorflow"),
         _version("tensorflow"),
@@ -75,25 +110,42 @@ def cache_key() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
-def _cache_file() -> str:
-    return os.path.join(_hardware.cache_dir(), f"itex_bfloat16_{cache_key()}.json")
+def _cache_file(probe: str = "bfloat16_matmul") -> str:
+    name = f"itex_{probe}_{cache_key(probe)}.json"
+    return os.path.join(_hardware.cache_dir(), name)
 
 
-def _read_cache():
-    return _hardware.read_json_cache(_cache_file())
+def _read_cache(probe: str = "bfloat16_matmul"):
+    return _hardware.read_json_cache(_cache_file(probe))
 
 
-def _write_cache(status: dict) -> None:
-    _hardware.write_json_cache(_cache_file(), status)
+def _write_cache(status: dict, probe: str = "bfloat16_matmul") -> None:
+    _hardware.write_json_cache(_cache_file(probe), status)
 
 
-def parse_child(returncode: int, stdout: str, stderr: str) -> dict:
+# What TensorFlow wraps around a kernel's own message: the function node, the
+# module path of the exception class, the "received an exception" preamble.
+_BOILERPLATE = re.compile(
+    r"\{\{function_node [^}]*\}\}\s*|tensorflow\.python\.framework\.errors_impl\."
+    r"|Operation received an exception:Status:\d+, message: "
+)
+
+
+def _without_boilerplate(error: str) -> str:
+    """Return a kernel's error line without TensorFlow's wrapping."""
+    return _BOILERPLATE.sub("", error).strip()
+
+
+def parse_child(
+    returncode: int, stdout: str, stderr: str, what: str = "a bfloat16 MatMul"
+) -> dict:
     r"""Turn the child's exit into `{"works", "backend", "reason"}`.
 
     Args:
         returncode: the child's exit status (negative: killed by that signal).
         stdout: what it printed (one JSON line on success).
         stderr: its log, where ITEX names its backend and errors appear.
+        what: the kernel the child ran, as the reason names it.
 
     Returns:
         A dict: `works` (bool), `backend` ("AVX512", "AVX2", ... or None) and
@@ -114,7 +166,7 @@ def parse_child(returncode: int, stdout: str, stderr: str) -> dict:
         result = json.loads(last_line)
         if result.get("finite"):
             return {"works": True, "backend": backend, "reason": ""}
-        reason = "a bfloat16 MatMul under ITEX returned non-finite gradients"
+        reason = f"{what} under ITEX returned non-finite gradients"
         return {"works": False, "backend": backend, "reason": reason}
     # The last error line names the cause (TF's start-up noise comes first).
     errors = [
@@ -122,28 +174,29 @@ def parse_child(returncode: int, stdout: str, stderr: str) -> dict:
         for line in stderr.splitlines()
         if "error" in line.lower() and "Unable to register" not in line
     ]
-    error = errors[-1] if errors else ""
+    error = _without_boilerplate(errors[-1]) if errors else ""
     how = (
         f"killed the process (signal {-returncode})"
         if returncode < 0
         else f"failed (exit status {returncode})"
     )
     reason = (
-        f"a bfloat16 MatMul under ITEX {how}"
+        f"{what} under ITEX {how}"
         + (f" on its {backend} CPU backend" if backend else "")
         + (f" ({error[:200]})" if error else "")
     )
     return {"works": False, "backend": backend, "reason": reason}
 
 
-def run_child(python: str = sys.executable) -> dict:
-    """Run the bfloat16 probe in a child Python and return `parse_child`'s dict."""
+def run_child(python: str = sys.executable, probe: str = "bfloat16_matmul") -> dict:
+    """Run `probe` (a key of `PROBES`) in a child; return `parse_child`'s dict."""
+    script, what = PROBES[probe]
     environ = dict(os.environ)
     environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # ITEX names its backend at INFO level
     environ.setdefault("ITEX_CPP_MIN_LOG_LEVEL", "0")
     try:
         child = subprocess.run(
-            [python, "-c", _CHILD_SCRIPT],
+            [python, "-c", script],
             capture_output=True,
             text=True,
             timeout=_CHILD_TIMEOUT_SECONDS,
@@ -156,32 +209,66 @@ def run_child(python: str = sys.executable) -> dict:
             "backend": None,
             "reason": f"the probe took longer than {_CHILD_TIMEOUT_SECONDS} s",
         }
-    return parse_child(child.returncode, child.stdout, child.stderr)
+    return parse_child(child.returncode, child.stdout, child.stderr, what)
 
 
-@functools.cache
-def itex_bfloat16_status(use_disk_cache: bool = True) -> dict:
-    """Return whether ITEX's bfloat16 kernels work on this CPU.
-
-    Cached for the process and (unless `use_disk_cache=False`) on disk under
-    `$KERAS_AMP_PLUS_CACHE_DIR` (default `~/.cache/keras_amp_plus`).
+def probe_status(probe: str, use_disk_cache: bool = True) -> dict:
+    """Return whether the kernel of `probe` (a key of `PROBES`) works on this CPU.
 
     Args:
-        use_disk_cache: read and write the on-disk answer. Defaults to `True`.
+        probe: `"bfloat16_matmul"` or `"float16_layer_norm"`.
+        use_disk_cache: read and write the on-disk answer under
+            `$KERAS_AMP_PLUS_CACHE_DIR` (default `~/.cache/keras_amp_plus`).
+            Defaults to `True`.
 
     Returns:
         `{"works": bool, "backend": str or None, "reason": str}`; without ITEX
         installed, `works` is False and `reason` says so.
+
+    Example:
+    >>> probe_status("float16_layer_norm")["works"]  # doctest: +SKIP
+    False
     """
+    if probe not in PROBES:
+        raise ValueError(
+            f"Unknown ITEX kernel probe. Expected one of {sorted(PROBES)}. "
+            f"Received: probe={probe!r}"
+        )
     if _version("intel-extension-for-tensorflow") == "none":
         return {
             "works": False,
             "backend": None,
             "reason": "Intel Extension for TensorFlow is not installed",
         }
-    status = _read_cache() if use_disk_cache else None
+    status = _read_cache(probe) if use_disk_cache else None
     if status is None:
-        status = run_child()
+        status = run_child(probe=probe)
         if use_disk_cache:
-            _write_cache(status)
+            _write_cache(status, probe)
     return status
+
+
+@functools.cache
+def itex_bfloat16_status(use_disk_cache: bool = True) -> dict:
+    """Return whether ITEX's bfloat16 MatMul works on this CPU (cached per process).
+
+    Args:
+        use_disk_cache: read and write the on-disk answer. Defaults to `True`.
+
+    Returns:
+        `probe_status("bfloat16_matmul")`'s dict.
+    """
+    return probe_status("bfloat16_matmul", use_disk_cache)
+
+
+@functools.cache
+def itex_float16_layer_norm_status(use_disk_cache: bool = True) -> dict:
+    """Return whether ITEX's float16 layer norm works on this CPU (cached per process).
+
+    Args:
+        use_disk_cache: read and write the on-disk answer. Defaults to `True`.
+
+    Returns:
+        `probe_status("float16_layer_norm")`'s dict.
+    """
+    return probe_status("float16_layer_norm", use_disk_cache)

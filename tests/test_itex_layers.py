@@ -12,7 +12,7 @@ import tensorflow as tf
 from conftest import swish_reference
 
 import keras_amp_plus as kap
-from keras_amp_plus import _compat
+from keras_amp_plus import _compat, _itex_probe
 from keras_amp_plus.layers import _swish_activation
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -94,14 +94,18 @@ def set_random_weights(layer, seed=1):
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("mean", (0.0, 1000.0))
-def test_layer_normalization_matches_float64(policy, mean):
+@pytest.mark.parametrize("inputs_in", ("float32", "compute dtype"))
+def test_layer_normalization_matches_float64(policy, mean, inputs_in):
     x, upstream = inputs((16, 64), mean)
+    compute = _compat.dtype_policy(policy).compute_dtype
+    if inputs_in == "compute dtype":  # as a preceding mixed-precision layer feeds it
+        x = tf.cast(x, compute)
     layer = kap.layers.LayerNormalization(dtype=policy)
     layer.build(x.shape)
     set_random_weights(layer)
     gamma, beta = (w.numpy().astype("float64").reshape(1, -1) for w in layer.weights)
     outputs, (x_grad, gamma_grad, beta_grad) = forward_backward(layer, x, upstream)
-    compute = _compat.dtype_policy(policy).compute_dtype
+    x = f64(x)
     reference = normalization_reference(
         x, rounded(upstream, compute), gamma, beta, 1e-3, (1,)
     )
@@ -130,6 +134,12 @@ def test_layer_normalization_runs_itex_fused_kernel():
     norm = next(op for op in graph.get_operations() if op.type == "ITEXLayerNorm")
     assert norm.get_attr("T") == tf.bfloat16  # the compute dtype
     assert norm.get_attr("U") == tf.float32  # statistics and gamma/beta
+    # float16 takes ITEX's kernel only where the probe found it runs here.
+    status = _itex_probe.itex_float16_layer_norm_status()
+    half = kap.layers.LayerNormalization(dtype="mixed_float16")
+    graph = tf.function(half).get_concrete_function(tf.TensorSpec((None, 32), "half"))
+    uses_itex = "ITEXLayerNorm" in {op.type for op in graph.graph.get_operations()}
+    assert uses_itex == status["works"], status["reason"]
     # A normalization over two axes is not ITEX's kernel: our XLA kernel runs.
     two_axes = kap.layers.LayerNormalization(axis=(1, 2))
     graph = tf.function(two_axes).get_concrete_function(tf.TensorSpec((2, 8, 32))).graph

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import tensorflow as tf
 
 from keras_amp_plus import _compat, _hardware
 from keras_amp_plus import _itex_probe as itex_probe
@@ -54,6 +55,38 @@ def test_a_child_that_reports_finite_gradients_works():
     assert status == {"works": True, "backend": "AVX512", "reason": ""}
 
 
+def test_a_kernel_error_is_read_as_not_working_and_named_without_wrapping():
+    # What ITEX's float16 layer norm raises on an AMD EPYC without AVX512-FP16.
+    stderr = (
+        "AVX512 CPU backend is loaded.\n"
+        "tensorflow.python.framework.errors_impl.AbortedError: {{function_node "
+        "__wrapped__ITEXLayerNorm_device_/job:localhost/replica:0/task:0/device:CPU:0}}"
+        " Operation received an exception:Status:3, message: could not create a "
+        "primitive descriptor for a layer normalization forward propagation "
+        "primitive [Op:ITEXLayerNorm] name: \n"
+    )
+    status = itex_probe.parse_child(1, "", stderr, what="a float16 layer norm")
+    assert status["works"] is False and status["backend"] == "AVX512"
+    assert status["reason"] == (
+        "a float16 layer norm under ITEX failed (exit status 1) on its AVX512 CPU "
+        "backend (AbortedError: could not create a primitive descriptor for a layer "
+        "normalization forward propagation primitive [Op:ITEXLayerNorm] name:)"
+    )
+
+
+def test_each_probe_has_its_own_answer_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv(_hardware.CACHE_DIR_VARIABLE, str(tmp_path))
+    files = {probe: itex_probe._cache_file(probe) for probe in itex_probe.PROBES}
+    assert len(set(files.values())) == len(itex_probe.PROBES)
+    itex_probe._write_cache(AVX2_ABORT, "bfloat16_matmul")
+    assert itex_probe._read_cache("float16_layer_norm") is None
+
+
+def test_an_unknown_probe_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"Received: probe='int8_matmul'"):
+        itex_probe.probe_status("int8_matmul")
+
+
 def test_the_answer_is_cached_on_disk_per_machine_and_versions(tmp_path, monkeypatch):
     monkeypatch.setenv(_hardware.CACHE_DIR_VARIABLE, str(tmp_path))
     first = itex_probe._cache_file()
@@ -86,6 +119,24 @@ def test_the_probe_on_this_machine(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == [os.path.basename(itex_probe._cache_file())]
 
 
+@pytest.mark.itex
+def test_the_float16_layer_norm_probe_tells_what_the_kernel_does(tmp_path, monkeypatch):
+    monkeypatch.setenv(_hardware.CACHE_DIR_VARIABLE, str(tmp_path))
+    status = itex_probe.probe_status("float16_layer_norm")
+    # The same kernel in this process, eagerly: where the probe says no, the
+    # kernel raises (as it would inside a user's step); where yes, it runs.
+    layer_norm = _compat.itex_layer_norm_op(tf.float16)
+    x = tf.ones((4, 16), tf.float16)
+    try:
+        layer_norm(x, tf.ones([16]), tf.zeros([16]), epsilon=1e-3, is_training=True)
+        ran = True
+    except tf.errors.OpError:
+        ran = False
+    assert ran == status["works"], status["reason"]
+    if not ran:
+        assert "float16 layer norm" in status["reason"]
+
+
 def test_the_doctor_recommends_float32_where_itex_bfloat16_aborts():
     advice = recommendation.recommend({}, itex_bfloat16=AVX2_ABORT)
     assert advice["policy"] == "float32"
@@ -97,6 +148,16 @@ def test_the_doctor_recommends_float32_where_itex_bfloat16_aborts():
     line = doctor_text._itex_line(itex)
     assert line.startswith("2.15.0.0 (importable; AVX2 CPU backend, bfloat16")
     assert "do not work" in line
+
+
+def test_the_doctor_names_a_float16_layer_norm_itex_cannot_run():
+    works = {"works": True, "backend": "AVX512", "reason": ""}
+    refused = {"works": False, "backend": "AVX512", "reason": "no primitive"}
+    itex = {"version": "2.15.0.0", "importable": True, "bfloat16": works}
+    assert "layer norm" not in doctor_text._itex_line(itex)
+    line = doctor_text._itex_line({**itex, "float16_layer_norm": refused})
+    assert "work; float16 layer norm does not work (no primitive)" in line
+    assert "LayerNormalization runs its own kernels in float16" in line
 
 
 def test_the_doctor_keeps_its_advice_where_itex_bfloat16_works():
@@ -115,3 +176,4 @@ def test_the_doctor_reports_itex_on_this_stack():
     else:
         assert status["importable"] and status["version"].startswith("2.15.0")
         assert set(status["bfloat16"]) == {"works", "backend", "reason"}
+        assert set(status["float16_layer_norm"]) == {"works", "backend", "reason"}

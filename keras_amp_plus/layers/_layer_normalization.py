@@ -3,13 +3,25 @@
 import keras
 import tensorflow as tf
 
-from keras_amp_plus import _compat
+from keras_amp_plus import _compat, _itex_probe
 from keras_amp_plus.layers import _validation
 from keras_amp_plus.layers._fused_normalization import fused_normalize
 from keras_amp_plus.layers._precision import broadcast_weights
 
 _LAYER_NAME = "LayerNormalization"
 _ITEX_MIN_EPSILON = 1.001e-5
+
+
+def _itex_layer_norm_op(input_dtype):
+    """Return ITEX's layer-norm op where it runs `input_dtype` here, else None."""
+    itex_op = _compat.itex_layer_norm_op(input_dtype)
+    if itex_op is None or tf.as_dtype(input_dtype) != tf.float16:
+        return itex_op
+    # Found on an AMD EPYC with AVX512-BF16 only: ITEX's oneDNN has no float16
+    # layer-norm primitive there and the first call raises inside the step.
+    # The probe's child costs seconds once per machine (cached on disk).
+    works = _itex_probe.itex_float16_layer_norm_status()["works"]  # pragma: no cover
+    return itex_op if works else None  # pragma: no cover
 
 
 @keras.saving.register_keras_serializable(package="keras_amp_plus")
@@ -36,7 +48,9 @@ class LayerNormalization(keras.layers.LayerNormalization):
       counts per power of two, bounding the compilations over a whole `fit`
       (called eagerly, each new shape still compiles once);
     - with Intel Extension for TensorFlow importable, ITEX's fused layer-norm
-      kernel is used for the last axis.
+      kernel is used for the last axis, for float16 only where a probe found
+      it runs on this CPU (ITEX's AVX512 backend has no float16 layer norm on
+      CPUs without AVX512-FP16).
 
     `gamma` and `beta` stay float32 under mixed policies; the output has the
     layer's compute dtype.
@@ -124,7 +138,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
         axes = _validation.positive_axes(self.axis, rank, inputs.shape)
         if _compat.uses_rms_scaling(self):
             return self._rms_scaled(inputs, axes)
-        itex_op = _compat.itex_layer_norm_op(inputs.dtype)
+        itex_op = _itex_layer_norm_op(inputs.dtype)
         # ITEX's kernel normalizes the last axis only and raises epsilon to its
         # own minimum, which would change the result.
         itex_applies = axes == (rank - 1,) and self.epsilon >= _ITEX_MIN_EPSILON

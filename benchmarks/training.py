@@ -16,7 +16,9 @@ Variants, each with `jit_compile` off and on:
 - `keras_bf16`: the same under `mixed_bfloat16`;
 - `ours_bf16`: keras_amp_plus's layers under `mixed_bfloat16`;
 - `full_product`: our layers + `LossScaleOptimizer.guard(Adam)` +
-  `AMPMonitor(log_dir)` at its defaults.
+  `AMPMonitor(log_dir)` at its defaults;
+- `ours_fp32` (only with `--variants`): our layers under the float32 policy,
+  what runs on CPUs where bfloat16 is emulated.
 
 All variants of a model are built and warmed up first (one `fit` epoch:
 tracing and XLA compilation are not timed), then run `--rounds` rounds, each
@@ -37,7 +39,8 @@ unknown batch size, as it does for most real input pipelines (its JSON gets a
 `_tfdata` suffix).
 
 Usage: python benchmarks/training.py [--quick] [--rounds N] [--steps N]
-    [--models transformer cnn] [--pipeline numpy|tfdata] [--output PATH]
+    [--models transformer cnn] [--pipeline numpy|tfdata]
+    [--variants float32 ours_fp32 ...] [--output PATH]
 """
 
 import argparse
@@ -65,6 +68,9 @@ from keras_amp_plus.optimizers import LossScaleOptimizer
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("float32", "keras_bf16", "ours_bf16", "full_product")
+ALL_VARIANTS = (*VARIANTS, "ours_fp32")
+OUR_LAYERS = ("ours_bf16", "full_product", "ours_fp32")
+FLOAT32_VARIANTS = ("float32", "ours_fp32")
 CLASSES = 10
 
 
@@ -152,13 +158,13 @@ class Variant:
 
     def __init__(self, model_name, name, jit, size, log_root):
         self.name, self.jit = name, jit
-        policy = "float32" if name == "float32" else "mixed_bfloat16"
+        policy = "float32" if name in FLOAT32_VARIANTS else "mixed_bfloat16"
         previous = keras.config.dtype_policy()
         keras.config.set_dtype_policy(policy)
         try:
             keras.utils.set_random_seed(0)
             build = transformer if model_name == "transformer" else cnn
-            self.model = build(name in ("ours_bf16", "full_product"), size)
+            self.model = build(name in OUR_LAYERS, size)
         finally:
             keras.config.set_dtype_policy(previous)
         optimizer = keras.optimizers.Adam(1e-4)
@@ -193,7 +199,9 @@ class Variant:
             self.error = f"{type(error).__name__}: {_reason(error)}"
 
 
-def run_model(model_name, size, rounds, steps, log_root, pipeline="numpy"):
+def run_model(
+    model_name, size, rounds, steps, log_root, pipeline="numpy", names=VARIANTS
+):
     x, y = data(model_name, size, steps)
     batches = (x, y)
     if pipeline == "tfdata":
@@ -202,7 +210,7 @@ def run_model(model_name, size, rounds, steps, log_root, pipeline="numpy"):
     variants = [
         Variant(model_name, name, jit, size, log_root)
         for jit in (False, True)
-        for name in VARIANTS
+        for name in names
     ]
     for variant in variants:  # warm-up: trace, compile
         variant.run_epoch(batches, size["batch"])
@@ -283,8 +291,17 @@ def main():
         help="feed NumPy arrays (a known batch size) or a tf.data pipeline "
         "batched without drop_remainder (traced with an unknown batch size)",
     )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=ALL_VARIANTS,
+        default=list(VARIANTS),
+        help="which variants to run (float32 first: the others are relative to it)",
+    )
     parser.add_argument("--output", type=pathlib.Path, default=None)
     args = parser.parse_args()
+    if "float32" not in args.variants:
+        parser.error("--variants must include float32 (the baseline of each row)")
     # The defaults keep a full run under 10 minutes on 2 loaded cores.
     rounds = args.rounds or (2 if args.quick else 4)
     steps = args.steps or (4 if args.quick else 6)
@@ -298,7 +315,13 @@ def main():
     with tempfile.TemporaryDirectory() as log_root:
         for model_name in args.models:
             rows += run_model(
-                model_name, sizes[model_name], rounds, steps, log_root, args.pipeline
+                model_name,
+                sizes[model_name],
+                rounds,
+                steps,
+                log_root,
+                args.pipeline,
+                args.variants,
             )
             print_table([r for r in rows if r["model"] == model_name])
     print(f"wall time {time.time() - start:.0f} s")
@@ -311,6 +334,7 @@ def main():
         "rounds": rounds,
         "steps_per_epoch": steps,
         "pipeline": args.pipeline,
+        "variants": args.variants,
         "command": " ".join(["python", *sys.argv]),
         "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
     }

@@ -18,6 +18,7 @@ subprocess with it off (`run_python` below).
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -512,3 +513,28 @@ def swish_reference(x, upstream, beta):
     x_grad = upstream * sigmoid * (1.0 + beta * x * (1.0 - sigmoid))
     beta_grad = (upstream * x**2 * sigmoid * (1.0 - sigmoid)).sum()
     return outputs, x_grad, beta_grad
+
+
+def xla_step(layer, shape, input_signature=None):
+    """Forward + backward of `layer` in one `jit_compile=True` function.
+
+    `layer` is built for `shape` first, so its weights exist before the trace.
+    """
+    layer.build(shape)
+
+    @tf.function(jit_compile=True, input_signature=input_signature)
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = layer(x)
+        sources = [x, *layer.trainable_weights]
+        return outputs, tape.gradient(outputs, sources, output_gradients=upstream)
+
+    return step
+
+
+def hlo_without_names(hlo):
+    """Return optimized HLO text without the names that differ between traces."""
+    hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)
+    hlo = re.sub(r"(HloModule|ENTRY) \S+", r"\1", hlo)
+    return re.sub(r"%[\w.]+", "%name", hlo)

@@ -1,47 +1,29 @@
 """InstanceNormalization inside a model XLA compiles whole: layout and numerics."""
 
-import re
-
 import keras
 import pytest
 import tensorflow as tf
-from conftest import check_normalization, float_inputs, use_policy
+from conftest import (
+    check_normalization,
+    float_inputs,
+    hlo_without_names,
+    use_policy,
+    xla_step,
+)
 
 from keras_amp_plus import layers
 
 SHAPE = (4, 8, 8, 16)
 
 
-def _xla_step(layer, any_batch, dtype):
-    """Forward + backward of `layer` in one `jit_compile=True` function."""
+def _optimized_hlo(layer, dtype, any_batch):
+    x, upstream, _, _ = float_inputs(SHAPE, 0.0, dtype)
     signature = None
     if any_batch:  # as `fit` traces a `tf.data` pipeline without drop_remainder
         spec = tf.TensorSpec((None, *SHAPE[1:]), dtype)
         signature = [spec, spec]
-
-    @tf.function(jit_compile=True, input_signature=signature)
-    def step(x, upstream):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            outputs = layer(x)
-        sources = [x, *layer.trainable_weights]
-        return outputs, tape.gradient(outputs, sources, output_gradients=upstream)
-
-    return step
-
-
-def _optimized_hlo(layer, dtype, any_batch):
-    layer.build(SHAPE)
-    x, upstream, _, _ = float_inputs(SHAPE, 0.0, dtype)
-    step = _xla_step(layer, any_batch, dtype)
+    step = xla_step(layer, SHAPE, signature)
     return step.experimental_get_compiler_ir(x, upstream)("optimized_hlo")
-
-
-def _without_names(hlo):
-    # Instruction, computation and module names differ from trace to trace.
-    hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)
-    hlo = re.sub(r"(HloModule|ENTRY) \S+", r"\1", hlo)
-    return re.sub(r"%[\w.]+", "%name", hlo)
 
 
 @pytest.mark.parametrize("any_batch", (False, True))
@@ -53,7 +35,7 @@ def test_float16_inside_xla_runs_keras_own_program(any_batch):
     keras_own = _optimized_hlo(
         keras.layers.GroupNormalization(groups=-1), "float16", any_batch
     )
-    assert _without_names(ours) == _without_names(keras_own)
+    assert hlo_without_names(ours) == hlo_without_names(keras_own)
 
 
 @pytest.mark.parametrize("policy_name", ("float32", "mixed_bfloat16"))

@@ -1,7 +1,5 @@
 """Swish inside a model XLA compiles whole: numerics and the kept sigmoid."""
 
-import re
-
 import keras
 import numpy as np
 import pytest
@@ -11,8 +9,10 @@ from conftest import (
     as_float64,
     check_swish,
     float_inputs,
+    hlo_without_names,
     swish_reference,
     use_policy,
+    xla_step,
 )
 
 from keras_amp_plus import _compat, layers
@@ -22,17 +22,7 @@ SHAPE = (64, 32)
 
 
 def _xla_step(layer, input_signature=None):
-    layer.build(SHAPE)  # its weights exist before the step is traced
-
-    @tf.function(jit_compile=True, input_signature=input_signature)
-    def step(x, upstream):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            outputs = layer(x)
-        sources = [x, *layer.trainable_weights]
-        return outputs, tape.gradient(outputs, sources, output_gradients=upstream)
-
-    return step
+    return xla_step(layer, SHAPE, input_signature)
 
 
 def _any_batch_size(dtype):
@@ -92,13 +82,6 @@ def _exponentials_in_compiled_step(layer, dtype, shape=SHAPE, any_batch=False):
     return _optimized_hlo(layer, dtype, shape, any_batch).count(" exponential(")
 
 
-def _without_names(hlo):
-    # Instruction, computation and module names differ from trace to trace.
-    hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)
-    hlo = re.sub(r"(HloModule|ENTRY) \S+", r"\1", hlo)
-    return re.sub(r"%[\w.]+", "%name", hlo)
-
-
 @pytest.mark.parametrize("any_batch", (False, True))
 @pytest.mark.parametrize("policy_name", ("float32", "mixed_float16"))
 def test_where_the_sigmoid_is_kept_xla_runs_keras_own_program(
@@ -112,7 +95,7 @@ def test_where_the_sigmoid_is_kept_xla_runs_keras_own_program(
     keras_own = _optimized_hlo(
         keras.layers.Activation("swish"), compute, any_batch=any_batch
     )
-    assert _without_names(ours) == _without_names(keras_own)
+    assert hlo_without_names(ours) == hlo_without_names(keras_own)
 
 
 @pytest.mark.parametrize(

@@ -296,7 +296,7 @@ def main():
         nargs="+",
         choices=ALL_VARIANTS,
         default=list(VARIANTS),
-        help="which variants to run (float32 first: the others are relative to it)",
+        help="variants to run; must include float32, the baseline of the others",
     )
     parser.add_argument("--output", type=pathlib.Path, default=None)
     args = parser.parse_args()

@@ -22,7 +22,7 @@ from conftest import (
     use_policy,
 )
 
-from keras_amp_plus import _compat, layers
+from keras_amp_plus import _compat, _hardware, layers
 from keras_amp_plus.layers import (
     _batch_norm_formula,
     _fused_normalization,
@@ -32,12 +32,22 @@ from keras_amp_plus.layers import (
 )
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+_CPU_HAS_FLOAT16_ARITHMETIC = _path_choice.cpu_has_float16_arithmetic
 
 
 @pytest.fixture(autouse=True)
 def _empty_cache_dir(tmp_path, monkeypatch):
     """No measured paths unless a test writes them (the user's cache is not read)."""
     monkeypatch.setenv("KERAS_AMP_PLUS_CACHE_DIR", str(tmp_path))
+
+
+@pytest.fixture(autouse=True)
+def _float16_arithmetic(monkeypatch):
+    """A CPU with float16 arithmetic, where float16 follows the measurements.
+
+    Tests of CPUs without it say so; this keeps the rest CPU-independent.
+    """
+    monkeypatch.setattr(_path_choice, "cpu_has_float16_arithmetic", lambda: True)
 
 
 class _StepWrapped:
@@ -411,6 +421,73 @@ def test_large_instance_norm_follows_the_measured_winner(monkeypatch):
     # kernels.
     assert _path_taken(False, large, monkeypatch, False, "bfloat16") == kernels
     assert _path_taken(False, large, monkeypatch, False, "float32", True) == kernels
+
+
+@pytest.mark.parametrize("unknown_batch", (False, True))
+def test_float16_instance_norm_skips_the_kernels_without_float16_arithmetic(
+    unknown_batch, monkeypatch
+):
+    # There XLA's float16 code made the kernels slower than Keras's layer at
+    # every shape measured, whatever the measurement of bfloat16 said.
+    monkeypatch.setattr(_path_choice, "cpu_has_float16_arithmetic", lambda: False)
+    kernels, bn = _path_choice.FUSED_KERNELS, _path_choice.BATCH_NORM
+    formula = _path_choice.KERAS_FORMULA
+    cells = [
+        {**_cell(False, "bfloat16", n, kernels), "unknown_batch": unknown_batch}
+        for n in (2**16, 2**20, 2**24)
+    ]
+    _write_measurements(cells)
+    smallest = _path_choice.BATCH_NORM_MIN_ELEMENTS["half"]
+    for elements, applies, expected in (
+        (2**16, True, formula),
+        (smallest - 1, True, formula),
+        (smallest, True, bn),
+        (2**24, True, bn),  # also from the dot size on
+        (2**20, False, formula),  # where the batch-norm kernel cannot run
+    ):
+        path = _path_choice._graph_step_path(
+            elements, False, "float16", applies, unknown_batch
+        )
+        assert path == expected, (elements, applies)
+    # bfloat16 keeps its measurement; float16 layer norm keeps the kernels.
+    for elements in (2**16, 2**20):
+        assert (
+            _path_choice._graph_step_path(
+                elements, False, "bfloat16", True, unknown_batch
+            )
+            == kernels
+        )
+        assert (
+            _path_choice._graph_step_path(
+                elements, True, "float16", False, unknown_batch
+            )
+            == kernels
+        )
+
+
+def test_float16_instance_norm_follows_the_measurements_with_float16_arithmetic():
+    kernels = _path_choice.FUSED_KERNELS
+    _write_measurements([_cell(False, "bfloat16", 2**20, kernels)])
+    path = _path_choice._graph_step_path(2**20, False, "float16", True)
+    assert path == kernels
+
+
+def test_cpu_float16_arithmetic_follows_the_cpu_flags(monkeypatch):
+    read = _CPU_HAS_FLOAT16_ARITHMETIC  # not the autouse pin
+    for flags, expected in (
+        ("avx512f avx512_bf16", False),
+        ("avx512f avx512_bf16 avx512_fp16", True),
+        ("amx_bf16 amx_fp16", True),
+    ):
+        text = f"model name\t: Test CPU\nflags\t\t: fpu {flags}\n"
+        monkeypatch.setattr(_hardware, "read_cpuinfo", lambda *a, text=text: text)
+        read.cache_clear()
+        assert read() is expected, flags
+    monkeypatch.setattr(_hardware, "read_cpuinfo", lambda *a: None)
+    read.cache_clear()
+    assert read() is None  # unknown: the measurements decide
+    monkeypatch.undo()
+    read.cache_clear()  # this machine's answer again for later tests
 
 
 def test_measurements_far_from_the_size_do_not_apply(monkeypatch):

@@ -34,6 +34,13 @@ of machine:
   than Keras's formula: then the formula; and float32 instance norms with
   oneDNN off run the formula, as in steps of a known batch size), or where
   other sizes vary too (row buckets).
+- float16 instance norms in graph steps on a CPU without float16 arithmetic
+  (no AVX512-FP16 or AMX-FP16) never take the kernels, measured or not:
+  there XLA's float16 code made them slower than Keras's layer at every
+  shape of the grid, in both kinds of graph step, oneDNN on or off, while
+  TensorFlow's batch-norm kernel beat Keras's layer from
+  `BATCH_NORM_MIN_ELEMENTS` on (`benchmarks/paths.py`). So TensorFlow's
+  batch-norm kernel there (where it applies), Keras's formula below.
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
   leaves XLA-compiled functions alone.
@@ -48,7 +55,7 @@ import os
 
 import tensorflow as tf
 
-from keras_amp_plus import _compat
+from keras_amp_plus import _compat, _hardware
 from keras_amp_plus.layers import _path_calibration
 
 FUSED_KERNELS = _path_calibration.FUSED_KERNELS
@@ -191,6 +198,23 @@ def _float32_without_onednn(dtype) -> bool:
     return tf.as_dtype(dtype).size >= 4 and _compat.onednn_enabled() is False
 
 
+def _float16_without_float16_arithmetic(dtype) -> bool:
+    """Return True for float16 inputs on a CPU known to lack float16 arithmetic."""
+    return tf.as_dtype(dtype) == tf.float16 and cpu_has_float16_arithmetic() is False
+
+
+@functools.cache
+def cpu_has_float16_arithmetic() -> bool | None:
+    """Return whether this CPU has AVX512-FP16 or AMX-FP16 (None: unknown).
+
+    Example:
+    >>> cpu_has_float16_arithmetic() in (True, False, None)
+    True
+    """
+    features = _hardware.cpu_facts()["features"]
+    return _hardware.has_any(features, _hardware.FLOAT16_FLAGS)
+
+
 def _path_without_size(elements, trailing_statistics, batch_norm_applies):
     """Return the path where the input's size does not decide it, else None.
 
@@ -226,6 +250,8 @@ def _graph_step_path(
     large = elements >= DOT_SUM_MIN_ELEMENTS
     if large and trailing_statistics:
         return FUSED_KERNELS
+    if not trailing_statistics and _float16_without_float16_arithmetic(dtype):
+        return _batch_norm_or_formula(elements, batch_norm_applies, "half")
     measured = _path_calibration.measured_path(
         elements, trailing_statistics, dtype, unknown_batch
     )
@@ -244,6 +270,11 @@ def _graph_step_path(
     if large or trailing_statistics:
         return FUSED_KERNELS
     width = "float32" if tf.as_dtype(dtype).size >= 4 else "half"
+    return _batch_norm_or_formula(elements, batch_norm_applies, width)
+
+
+def _batch_norm_or_formula(elements, batch_norm_applies, width):
+    """Return `BATCH_NORM` from `BATCH_NORM_MIN_ELEMENTS[width]` on, else formula."""
     if batch_norm_applies and elements >= BATCH_NORM_MIN_ELEMENTS[width]:
         return BATCH_NORM
     return KERAS_FORMULA

@@ -1,0 +1,210 @@
+"""Time each normalization path against Keras's layer over the layers' grid.
+
+The layers choose among three implementations per shape in a graph step
+(`keras_amp_plus.layers._path_choice`): the fused XLA kernels, Keras's own
+formula with float32 statistics and, for instance norm, TensorFlow's fused
+batch-norm kernel. `benchmarks/layers.py` times the choice; this script times
+every path on its own (forced with `KERAS_AMP_PLUS_NORMALIZATION_PATH` while
+the step is traced), beside Keras's layer and a second Keras layer (A/A
+control), in the graph steps of `layers.py` ("graph": the batch size known
+when traced; "tfdata": traced for any batch size), called interleaved, call
+by call, median process CPU time. It is the evidence behind the rules a
+measurement does not decide (float16 instance norms without float16
+arithmetic, for one) and shows which path a CPU should take where.
+
+The header names the CPU; the JSON written to `benchmarks/results/` (named per
+CPU kind) carries it with every cell.
+
+Usage: python benchmarks/paths.py [--layers IN LN] [--policies ...]
+    [--steps graph tfdata] [--reps N] [--quick] [--output PATH]
+"""
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import tensorflow as tf
+from layers import (
+    GRID,
+    MAX_REPS,
+    MIN_CELL_SECONDS,
+    POLICIES,
+    QUICK_GRID,
+    RESULTS,
+    build_pair,
+    check_close,
+    fed_shape,
+    inputs_for,
+    layer_pair,
+    make_step,
+)
+from machine import cpu_kind, print_header
+
+from keras_amp_plus.layers import _path_choice
+
+STEPS = ("graph", "tfdata")
+PATHS = {
+    "IN": (
+        _path_choice.KERAS_FORMULA,
+        _path_choice.FUSED_KERNELS,
+        _path_choice.BATCH_NORM,
+    ),
+    "LN": (_path_choice.KERAS_FORMULA, _path_choice.FUSED_KERNELS),
+}
+
+
+def traced_with_path(step, path, x, upstream):
+    """Call `step` once with `path` forced while it traces; restore the variable."""
+    previous = os.environ.get(_path_choice.PATH_VARIABLE)
+    os.environ[_path_choice.PATH_VARIABLE] = path
+    try:
+        return step(x, upstream)
+    finally:
+        if previous is None:
+            del os.environ[_path_choice.PATH_VARIABLE]
+        else:
+            os.environ[_path_choice.PATH_VARIABLE] = previous
+
+
+def build_steps(kind, shape, policy, step_kind):
+    """Return ({name: step}, x, upstream): Keras's, A/A and one per path."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        ours, theirs, again = build_pair(kind, shape, policy)
+        dtype = keras.config.dtype_policy().compute_dtype
+        forced = {}
+        for path in PATHS[kind]:
+            layer = layer_pair(kind)[0]
+            layer.build(shape)
+            layer.set_weights(ours.get_weights())
+            forced[path] = layer
+    finally:
+        keras.config.set_dtype_policy(previous)
+    x, upstream = inputs_for(shape, dtype)
+    steps = {
+        "keras": make_step(theirs, step_kind, shape, dtype),
+        "keras_again": make_step(again, step_kind, shape, dtype),
+    }
+    reference = steps["keras"](x, upstream)[0]
+    steps["keras_again"](x, upstream)
+    for path, layer in forced.items():
+        steps[path] = make_step(layer, step_kind, shape, dtype)
+        outputs = traced_with_path(steps[path], path, x, upstream)[0]
+        check_close(outputs, reference, dtype)
+    return steps, x, upstream
+
+
+def time_steps(steps, x, upstream, reps):
+    """Return {name: median ms} of `steps` called interleaved."""
+    warm = []
+    for step in steps.values():
+        start = time.process_time()
+        step(x, upstream)
+        warm.append(time.process_time() - start)
+    reps = min(max(reps, math.ceil(MIN_CELL_SECONDS / max(warm))), MAX_REPS)
+    times = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            start = time.process_time()
+            step(x, upstream)
+            times[name].append(time.process_time() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}, reps
+
+
+def time_cell(kind, cell, policy, step_kind, reps, sequence):
+    """Return one cell: each path's and the A/A control's ratio to Keras's."""
+    shape = fed_shape(kind, cell, sequence)
+    steps, x, upstream = build_steps(kind, shape, policy, step_kind)
+    medians, reps = time_steps(steps, x, upstream, reps)
+    keras_ms = medians.pop("keras")
+    ratios = {name: ms / keras_ms for name, ms in medians.items()}
+    control = ratios.pop("keras_again")
+    return {
+        "layer": kind,
+        "shape": list(cell),
+        "input_shape": list(shape),
+        "policy": policy,
+        "step": step_kind,
+        "keras_ms": keras_ms,
+        "ratios": ratios,
+        "fastest": min(ratios, key=ratios.get),
+        "control_ratio": control,
+        "reps": reps,
+    }
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 shapes per layer")
+    parser.add_argument("--reps", type=int, default=5, help="minimum, default 5")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
+    parser.add_argument("--layers", nargs="+", default=["IN"], choices=PATHS)
+    parser.add_argument(
+        "--sequence", type=int, default=128, help="as in benchmarks/layers.py"
+    )
+    parser.add_argument("--output", type=pathlib.Path, default=None)
+    return parser.parse_args()
+
+
+def print_row(row):
+    ratios = "  ".join(f"{p} {r:5.2f}" for p, r in row["ratios"].items())
+    print(
+        f"{row['layer']:<4} {row['shape']!s:<20} {row['policy']:<15} "
+        f"{row['step']:<7} {row['keras_ms']:8.2f}  {ratios}  "
+        f"A/A {row['control_ratio']:.2f}",
+        flush=True,
+    )
+
+
+def main():
+    args = parse_args()
+    info = print_header("Each normalization path vs Keras's layer, CPU time ratio")
+    kind_tag = cpu_kind(info)
+    suffix = "_quick" if args.quick else ""
+    output = args.output or RESULTS / f"paths_{kind_tag}{suffix}.json"
+    grid = QUICK_GRID if args.quick else GRID
+    start = time.time()
+    print(f"\n{'layer':<4} {'shape':<20} {'policy':<15} {'step':<7} {'keras ms':>8}")
+    rows = []
+    for kind in args.layers:
+        for shape in grid[kind]:
+            for policy in args.policies:
+                for step_kind in args.steps:
+                    row = time_cell(
+                        kind, shape, policy, step_kind, args.reps, args.sequence
+                    )
+                    rows.append(row)
+                    print_row(row)
+    print(
+        "(ratio = path / Keras's layer CPU time, forward + backward, median;"
+        " A/A = a second Keras layer / Keras's, the noise)"
+    )
+    print(f"wall time {time.time() - start:.0f} s")
+    meta = {
+        "cpu": info,
+        "cpu_kind": kind_tag,
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "reps": args.reps,
+        "quick": args.quick,
+        "sequence": args.sequence,
+        "command": " ".join(["python", *sys.argv]),
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()

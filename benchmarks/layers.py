@@ -19,8 +19,8 @@ partial last batch), in a `tf.function(jit_compile=True)` ("xla" step: the
 layer inlined into one XLA cluster, as in a model compiled with
 `jit_compile=True`) and in one traced for any batch size too ("xla_tfdata":
 as `fit(jit_compile=True)` traces such a pipeline; XLA then compiles the
-shape it is called with). Ours and Keras's
-steps are called interleaved, call by call, after a warm-up; each figure is the
+shape it is called with). Ours and Keras's steps are called interleaved, call
+by call, in an order shuffled each round, after a warm-up; each figure is the
 median process CPU time (`time.process_time()`, all threads) of `--reps`
 calls (more for cheap cells, see `MIN_CELL_SECONDS`), so load from other
 processes on a shared machine inflates it little.
@@ -56,6 +56,7 @@ import json
 import math
 import os
 import pathlib
+import random
 import statistics
 import sys
 import tempfile
@@ -208,6 +209,34 @@ def check_close(ours_out, keras_out, dtype):
     return error
 
 
+def time_interleaved(steps, args, reps):
+    """Return ({name: median ms}, reps) of `steps(*args)`, called interleaved.
+
+    Each round calls every step once, in an order shuffled per round (seeded):
+    in a fixed order the step after another one ran up to 10% slower or
+    faster than the same step elsewhere in the round on a shared 2-core
+    machine, a bias an A/A control in another position does not show.
+    Small cells are the noisiest: each gets at least MIN_CELL_SECONDS of
+    the slowest step, at most MAX_REPS rounds.
+    """
+    warm = []
+    for step in steps.values():
+        start = time.process_time()
+        step(*args)
+        warm.append(time.process_time() - start)
+    reps = min(max(reps, math.ceil(MIN_CELL_SECONDS / max(warm))), MAX_REPS)
+    order = list(steps)
+    shuffle = random.Random(0).shuffle
+    times = {name: [] for name in steps}
+    for _ in range(reps):
+        shuffle(order)
+        for name in order:
+            start = time.process_time()
+            steps[name](*args)
+            times[name].append(time.process_time() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}, reps
+
+
 def time_cell(
     kind, cell, policy, step_kind, reps, floor=False, control=False, sequence=0
 ):
@@ -236,27 +265,14 @@ def time_cell(
     if control:
         steps["keras_again"] = make_step(again, step_kind, shape, dtype)
         steps["keras_again"](x, upstream)
-    warm = []
-    for step in steps.values():
-        start = time.process_time()
-        step(x, upstream)
-        warm.append(time.process_time() - start)
-    # Small cells are the noisiest: give each at least MIN_CELL_SECONDS.
-    reps = min(max(reps, math.ceil(MIN_CELL_SECONDS / max(warm))), MAX_REPS)
-    times = {who: [] for who in steps}
-    for _ in range(reps):
-        for who, step in steps.items():
-            start = time.process_time()
-            step(x, upstream)
-            times[who].append(time.process_time() - start)
-    ours_ms, keras_ms = (1e3 * statistics.median(times[w]) for w in ("ours", "keras"))
+    medians, reps = time_interleaved(steps, (x, upstream), reps)
+    ours_ms, keras_ms = medians["ours"], medians["keras"]
     floor_cells = {}
-    if "floor" in times:
-        floor_ms = 1e3 * statistics.median(times["floor"])
+    if "floor" in medians:
+        floor_ms = medians["floor"]
         floor_cells = {"floor_ms": floor_ms, "floor_ratio": floor_ms / keras_ms}
-    if "keras_again" in times:
-        again_ms = 1e3 * statistics.median(times["keras_again"])
-        floor_cells["control_ratio"] = again_ms / keras_ms
+    if "keras_again" in medians:
+        floor_cells["control_ratio"] = medians["keras_again"] / keras_ms
     return {
         **floor_cells,
         "layer": kind,

@@ -8,7 +8,7 @@ every path on its own (forced with `KERAS_AMP_PLUS_NORMALIZATION_PATH` while
 the step is traced), beside Keras's layer and a second Keras layer (A/A
 control), in the graph steps of `layers.py` ("graph": the batch size known
 when traced; "tfdata": traced for any batch size), called interleaved, call
-by call, median process CPU time. It is the evidence behind the rules a
+by call in an order shuffled each round, median process CPU time. It is the evidence behind the rules a
 measurement does not decide (float16 instance norms without float16
 arithmetic, for one) and shows which path a CPU should take where.
 
@@ -21,10 +21,8 @@ Usage: python benchmarks/paths.py [--layers IN LN] [--policies ...]
 
 import argparse
 import json
-import math
 import os
 import pathlib
-import statistics
 import sys
 import time
 
@@ -35,8 +33,6 @@ import keras
 import tensorflow as tf
 from layers import (
     GRID,
-    MAX_REPS,
-    MIN_CELL_SECONDS,
     POLICIES,
     QUICK_GRID,
     RESULTS,
@@ -46,6 +42,7 @@ from layers import (
     inputs_for,
     layer_pair,
     make_step,
+    time_interleaved,
 )
 from machine import cpu_kind, print_header
 
@@ -104,28 +101,11 @@ def build_steps(kind, shape, policy, step_kind):
     return steps, x, upstream
 
 
-def time_steps(steps, x, upstream, reps):
-    """Return {name: median ms} of `steps` called interleaved."""
-    warm = []
-    for step in steps.values():
-        start = time.process_time()
-        step(x, upstream)
-        warm.append(time.process_time() - start)
-    reps = min(max(reps, math.ceil(MIN_CELL_SECONDS / max(warm))), MAX_REPS)
-    times = {name: [] for name in steps}
-    for _ in range(reps):
-        for name, step in steps.items():
-            start = time.process_time()
-            step(x, upstream)
-            times[name].append(time.process_time() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}, reps
-
-
 def time_cell(kind, cell, policy, step_kind, reps, sequence):
     """Return one cell: each path's and the A/A control's ratio to Keras's."""
     shape = fed_shape(kind, cell, sequence)
     steps, x, upstream = build_steps(kind, shape, policy, step_kind)
-    medians, reps = time_steps(steps, x, upstream, reps)
+    medians, reps = time_interleaved(steps, (x, upstream), reps)
     keras_ms = medians.pop("keras")
     ratios = {name: ms / keras_ms for name, ms in medians.items()}
     control = ratios.pop("keras_again")

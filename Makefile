@@ -37,8 +37,8 @@ test: $(PY)
 	$(PY) -m pytest tests
 	$(PY) -m pytest --nbmake notebooks
 
-BENCHMARKS := benchmarks/layers.py benchmarks/paths.py benchmarks/training.py \
-	benchmarks/loss_scale.py \
+BENCHMARKS := benchmarks/layers.py benchmarks/paths.py benchmarks/batch_switch.py \
+	benchmarks/training.py benchmarks/loss_scale.py \
 	benchmarks/finite_flags.py benchmarks/fused_update.py benchmarks/monitor.py
 
 # The whole tests/ directory: conftest.py skips, with the reason, every module
@@ -53,6 +53,7 @@ bench-itex: $(ITEX_PY)
 bench: $(PY)
 	$(PY) benchmarks/layers.py --control --floor
 	$(PY) benchmarks/paths.py --layers IN LN
+	$(PY) benchmarks/batch_switch.py
 	$(PY) benchmarks/training.py
 	$(PY) benchmarks/loss_scale.py
 	$(PY) benchmarks/finite_flags.py

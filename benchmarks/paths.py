@@ -8,9 +8,10 @@ every path on its own (forced with `KERAS_AMP_PLUS_NORMALIZATION_PATH` while
 the step is traced), beside Keras's layer and a second Keras layer (A/A
 control), in the graph steps of `layers.py` ("graph": the batch size known
 when traced; "tfdata": traced for any batch size), called interleaved, call
-by call in an order shuffled each round, median process CPU time. It is the evidence behind the rules a
-measurement does not decide (float16 instance norms without float16
-arithmetic, for one) and shows which path a CPU should take where.
+by call in an order shuffled each round, median process CPU time. It is the
+evidence behind the rules a measurement does not decide (float16 instance
+norms without float16 arithmetic, for one) and shows which path a CPU should
+take where.
 
 The header names the CPU; the JSON written to `benchmarks/results/` (named per
 CPU kind) carries it with every cell.

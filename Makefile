@@ -38,7 +38,7 @@ test: $(PY)
 	$(PY) -m pytest --nbmake notebooks
 
 BENCHMARKS := benchmarks/layers.py benchmarks/paths.py benchmarks/batch_switch.py \
-	benchmarks/training.py benchmarks/loss_scale.py \
+	benchmarks/cpu_allocator.py benchmarks/training.py benchmarks/loss_scale.py \
 	benchmarks/finite_flags.py benchmarks/fused_update.py benchmarks/monitor.py
 
 # The whole tests/ directory: conftest.py skips, with the reason, every module
@@ -54,6 +54,7 @@ bench: $(PY)
 	$(PY) benchmarks/layers.py --control --floor
 	$(PY) benchmarks/paths.py --layers IN LN
 	$(PY) benchmarks/batch_switch.py
+	TF_ENABLE_ONEDNN_OPTS=0 $(PY) benchmarks/cpu_allocator.py
 	$(PY) benchmarks/training.py
 	$(PY) benchmarks/loss_scale.py
 	$(PY) benchmarks/finite_flags.py

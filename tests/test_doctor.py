@@ -167,6 +167,32 @@ def test_onednn_advice_fits_the_environment(env, expected, absent):
     assert "on this CPU it will not make bfloat16 fast" in warning
 
 
+@pytest.mark.parametrize(
+    ("onednn", "allocator_env", "noted"),
+    [
+        (False, None, True),
+        (False, "1", False),
+        (False, "0", False),
+        (True, None, False),
+    ],
+)
+def test_allocator_note_only_where_onednn_is_off_and_it_is_unset(
+    onednn, allocator_env, noted
+):
+    # Without oneDNN, TensorFlow's malloc allocations of large tensors are
+    # mapped afresh every step; a setting the user made is theirs to keep.
+    advice = recommend(
+        {"bfloat16": 1.0},
+        features=NO_FEATURES,
+        onednn=onednn,
+        allocator_env=allocator_env,
+    )
+    notes = [n for n in advice["notes"] if "TF_CPU_ALLOCATOR_USE_BFC=1" in n]
+    assert len(notes) == int(noted)
+    if noted:
+        assert notes[0].startswith("set TF_CPU_ALLOCATOR_USE_BFC=1 before")
+
+
 def test_outlook_caches_the_probe_figure(tmp_path, monkeypatch):
     monkeypatch.setenv("KERAS_AMP_PLUS_CACHE_DIR", str(tmp_path))
     probe = {"results": {"float32": {}, "bfloat16": {"speedup_vs_float32": 0.42}}}

@@ -149,6 +149,7 @@ def bfloat16_advice() -> dict:
         features=outlook["cpu"]["features"],
         onednn=outlook["onednn"],
         onednn_env=os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+        allocator_env=os.environ.get(recommendation.ALLOCATOR_VARIABLE),
     )
 
 

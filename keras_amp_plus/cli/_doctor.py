@@ -231,6 +231,7 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
         fit_uses_xla=facts["xla"]["jit_compile"],
         onednn_env=facts["onednn"]["TF_ENABLE_ONEDNN_OPTS"],
         itex_bfloat16=stack["itex"].get("bfloat16"),
+        allocator_env=os.environ.get(recommendation.ALLOCATOR_VARIABLE),
     )
     policy = recommendation.recommend(speedups, **facts_for_advice)["policy"]
     facts["jit_probe"] = _jit_probe.probe_jit_speedup(probe_seconds, policy)

@@ -116,6 +116,33 @@ def _onednn_warning(features, onednn, onednn_env) -> str | None:
     return sentence
 
 
+ALLOCATOR_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"
+
+
+def _allocator_note(onednn, allocator_env) -> str | None:
+    """Return advice about TensorFlow's CPU allocator where oneDNN is off.
+
+    Without oneDNN TensorFlow allocates CPU tensors with `malloc`, and glibc
+    maps large blocks afresh on every step; oneDNN's allocator, and
+    TensorFlow's BFC one, pool them (`benchmarks/cpu_allocator.py`).
+
+    Example:
+    >>> _allocator_note(onednn=True, allocator_env=None) is None
+    True
+    >>> _allocator_note(onednn=False, allocator_env=None).split(":")[0]
+    'set TF_CPU_ALLOCATOR_USE_BFC=1 before TensorFlow is imported'
+    """
+    if onednn is not False or allocator_env is not None:
+        return None
+    return (
+        f"set {ALLOCATOR_VARIABLE}=1 before TensorFlow is imported: with oneDNN "
+        "off TensorFlow allocates tensors with malloc, which maps tensors of "
+        "16 MiB and more afresh (and page-faults them in) on every step; the "
+        "BFC allocator pools them, and steps on large tensors, Keras's layers' "
+        "and ours, run faster (see the README)"
+    )
+
+
 def _itex_warning(itex_bfloat16: Mapping) -> str:
     """Return the advice where ITEX's bfloat16 kernels abort the process."""
     return (
@@ -175,6 +202,7 @@ def recommend(
     onednn_env: str | None = None,
     itex_bfloat16: Mapping | None = None,
     jit_probe: Mapping | None = None,
+    allocator_env: str | None = None,
 ) -> dict:
     """Recommend a Keras dtype policy from the machine's facts.
 
@@ -193,6 +221,9 @@ def recommend(
         jit_probe: the measured training step with `jit_compile` off and on
             (`keras_amp_plus.cli._jit_probe.probe_jit_speedup`). Defaults to
             `None` (not measured: no advice about `jit_compile`).
+        allocator_env: the value of `TF_CPU_ALLOCATOR_USE_BFC` (None when
+            unset): with oneDNN off and it unset, a note to set it. Defaults
+            to `None`.
 
     Returns:
         A dict with `"policy"` (`"float32"`, `"mixed_bfloat16"` or
@@ -221,7 +252,15 @@ def recommend(
             "jit_compile=False to compile() to use op-level lists"
         )
     jit_compile, jit_note = jit_advice(jit_probe)
-    notes = [note for note in [_float16_note(float16, policy), jit_note] if note]
+    notes = [
+        note
+        for note in [
+            _float16_note(float16, policy),
+            jit_note,
+            _allocator_note(onednn, allocator_env),
+        ]
+        if note
+    ]
     if itex_bfloat16 is not None and not itex_bfloat16.get("works"):
         policy = "float32"
         warnings.append(_itex_warning(itex_bfloat16))

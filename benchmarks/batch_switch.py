@@ -17,17 +17,14 @@ Usage: python benchmarks/batch_switch.py [--policies ...] [--reps N]
 """
 
 import argparse
-import json
 import os
 import pathlib
-import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
-import tensorflow as tf
 from layers import (
     POLICIES,
     RESULTS,
@@ -38,7 +35,7 @@ from layers import (
     make_step,
     time_interleaved,
 )
-from machine import cpu_kind, print_header
+from machine import cpu_kind, print_header, write_results
 
 from keras_amp_plus.layers import _path_choice
 
@@ -152,18 +149,7 @@ def main():
         " size, forward + backward, median; us = the switch's cost a step)"
     )
     print(f"wall time {time.time() - start:.0f} s")
-    meta = {
-        "cpu": info,
-        "cpu_kind": kind_tag,
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
-        "reps": args.reps,
-        "quick": args.quick,
-        "command": " ".join(["python", *sys.argv]),
-    }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {output}")
+    write_results(output, info, {"rows": rows}, reps=args.reps, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def main():
         child(rows, args.reps)
         return
     from layers import RESULTS
-    from machine import cpu_kind, print_header
+    from machine import cpu_kind, print_header, write_results
 
     info = print_header("TensorFlow's CPU allocator: malloc vs BFC, large steps")
     kind_tag = cpu_kind(info)
@@ -120,18 +120,15 @@ def main():
         f"({rounds} rounds; medians of process CPU time;"
         f" wall {time.time() - start:.0f} s)"
     )
-    meta = {
-        "cpu": info,
-        "cpu_kind": kind_tag,
-        "rounds": rounds,
-        "reps": args.reps,
-        "command": " ".join(["python", *sys.argv]),
-        "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
-    }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    document = {"meta": meta, "medians_ms": table, "samples": samples}
-    output.write_text(json.dumps(document, indent=1) + "\n")
-    print(f"wrote {output}")
+    document = {"medians_ms": table, "samples": samples}
+    write_results(
+        output,
+        info,
+        document,
+        rounds=rounds,
+        reps=args.reps,
+        TF_ENABLE_ONEDNN_OPTS=os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+    )
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ instructions. Every script calls `print_header` first, stores its result under
 `"machine"` in its JSON, and names its result file with `cpu_kind()`.
 """
 
+import json
 import os
 import platform
 import re
+import sys
 
 import keras
 import tensorflow as tf
@@ -84,3 +86,20 @@ def print_header(title: str) -> dict:
     print(f"TensorFlow {machine['tensorflow']}, Keras {machine['keras']}")
     print()
     return machine
+
+
+def write_results(output, machine: dict, document: dict, **meta) -> None:
+    """Write `document` as JSON to `output` with the run's metadata.
+
+    The metadata: the machine (`describe()`), its CPU kind, the command line
+    and `meta` (the run's options).
+    """
+    meta = {
+        "cpu": machine,
+        "cpu_kind": cpu_kind(machine),
+        "command": " ".join(["python", *sys.argv]),
+        **meta,
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"meta": meta, **document}, indent=1) + "\n")
+    print(f"wrote {output}")

@@ -21,17 +21,14 @@ Usage: python benchmarks/paths.py [--layers IN LN] [--policies ...]
 """
 
 import argparse
-import json
 import os
 import pathlib
-import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
-import tensorflow as tf
 from layers import (
     GRID,
     POLICIES,
@@ -45,7 +42,7 @@ from layers import (
     make_step,
     time_interleaved,
 )
-from machine import cpu_kind, print_header
+from machine import cpu_kind, print_header, write_results
 
 from keras_amp_plus.layers import _path_choice
 
@@ -172,19 +169,14 @@ def main():
         " A/A = a second Keras layer / Keras's, the noise)"
     )
     print(f"wall time {time.time() - start:.0f} s")
-    meta = {
-        "cpu": info,
-        "cpu_kind": kind_tag,
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
-        "reps": args.reps,
-        "quick": args.quick,
-        "sequence": args.sequence,
-        "command": " ".join(["python", *sys.argv]),
-    }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {output}")
+    write_results(
+        output,
+        info,
+        {"rows": rows},
+        reps=args.reps,
+        quick=args.quick,
+        sequence=args.sequence,
+    )
 
 
 if __name__ == "__main__":

@@ -36,11 +36,12 @@ of machine:
   other sizes vary too (row buckets).
 - float16 instance norms in graph steps on a CPU without float16 arithmetic
   (no AVX512-FP16 or AMX-FP16) never take the kernels, measured or not:
-  there XLA's float16 code made them slower than Keras's layer at every
-  shape of the grid, in both kinds of graph step, oneDNN on or off, while
-  TensorFlow's batch-norm kernel beat Keras's layer from
-  `BATCH_NORM_MIN_ELEMENTS` on (`benchmarks/paths.py`). So TensorFlow's
-  batch-norm kernel there (where it applies), Keras's formula below.
+  there XLA's float16 code made them slower than Keras's layer at most
+  shapes of the grid, in both kinds of graph step, oneDNN on or off, and
+  slower than TensorFlow's batch-norm kernel at every shape from
+  `BATCH_NORM_MIN_ELEMENTS` on, where that kernel beat Keras's layer
+  (`benchmarks/paths.py`). So TensorFlow's batch-norm kernel there (where
+  it applies), Keras's formula below.
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
   the rewrite would turn the formula's statistics ops to bfloat16, and it
   leaves XLA-compiled functions alone.

@@ -428,7 +428,8 @@ def test_float16_instance_norm_skips_the_kernels_without_float16_arithmetic(
     unknown_batch, monkeypatch
 ):
     # There XLA's float16 code made the kernels slower than Keras's layer at
-    # every shape measured, whatever the measurement of bfloat16 said.
+    # most shapes measured and than the batch-norm kernel from its size on,
+    # whatever the measurement of bfloat16 said.
     monkeypatch.setattr(_path_choice, "cpu_has_float16_arithmetic", lambda: False)
     kernels, bn = _path_choice.FUSED_KERNELS, _path_choice.BATCH_NORM
     formula = _path_choice.KERAS_FORMULA

@@ -3,12 +3,14 @@
 ITEX's CPU build picks a backend by CPU: "AVX512" on CPUs with AVX512, "AVX2"
 elsewhere, and its oneDNN kernels exist for fewer dtypes than the op
 registrations promise. On the AVX2 backend float32 works but the first
-bfloat16 MatMul aborts the whole process from C++ (`dnnl::error`, "could not
-create a primitive descriptor for a matmul primitive"): there is no Python
-exception to catch. On an AMD EPYC with AVX512-BF16 but no AVX512-FP16 the
-AVX512 backend runs bfloat16, but its float16 layer norm fails at the first
-call ("could not create a primitive descriptor for a layer normalization
-forward propagation primitive"), in the middle of a user's training step.
+bfloat16 MatMul of a graph aborts the whole process from C++ (`dnnl::error`,
+"could not create a primitive descriptor for a matmul primitive"; the same
+MatMul run eagerly works): there is no Python exception to catch. Its layer
+norm fails in bfloat16 and float16, and on an AMD EPYC with AVX512-BF16 but no
+AVX512-FP16 the AVX512 backend runs bfloat16 but its float16 layer norm fails
+("could not create a primitive descriptor for a layer normalization forward
+propagation primitive"), at the first call, in the middle of a user's training
+step.
 
 So each question is a probe: a child Python runs the kernel forward and
 backward and reports; a child killed by a signal or failing means "no". The
@@ -33,40 +35,54 @@ _BACKEND_PATTERN = re.compile(r"(\w+) CPU backend is loaded")
 _CHILD_TIMEOUT_SECONDS = 300
 
 # Run in the child: import ITEX, run one kernel forward + backward, print JSON.
+# Inside a `tf.function`, as a training step runs it: on ITEX's AVX2 backend
+# (an AMD EPYC without AVX512) the eager bfloat16 MatMul works, while the same
+# MatMul in a graph aborts the process.
 _BFLOAT16_MATMUL_SCRIPT = """
 import json
 import intel_extension_for_tensorflow as itex
 import tensorflow as tf
 
 a = tf.cast(tf.random.stateless_normal((64, 64), seed=(1, 2)), tf.bfloat16)
-with tf.GradientTape() as tape:
-    tape.watch(a)
-    product = tf.linalg.matmul(a, a)
-gradient = tape.gradient(product, a)
+
+@tf.function
+def gradient_of_product(a):
+    with tf.GradientTape() as tape:
+        tape.watch(a)
+        product = tf.linalg.matmul(a, a)
+    return tape.gradient(product, a)
+
+gradient = gradient_of_product(a)
 finite = bool(tf.reduce_all(tf.math.is_finite(tf.cast(gradient, tf.float32))))
 backend = itex.get_backend()
 backend = backend.decode() if isinstance(backend, bytes) else str(backend)
 print(json.dumps({"finite": finite, "itex_backend": backend}))
 """
 
-# The layer-norm op our LayerNormalization runs on the ITEX stack, in float16.
-_FLOAT16_LAYER_NORM_SCRIPT = """
+# The layer-norm op our LayerNormalization runs on the ITEX stack, in a half
+# dtype (DTYPE), in a `tf.function` too.
+_LAYER_NORM_SCRIPT = """
 import json
 import intel_extension_for_tensorflow as itex
 import tensorflow as tf
 from keras_amp_plus import _compat
 
-layer_norm = _compat.itex_layer_norm_op(tf.float16)
+layer_norm = _compat.itex_layer_norm_op(tf.DTYPE)
 if layer_norm is None:
     raise SystemExit("error: this ITEX has no layer-norm op")
-x = tf.cast(tf.random.stateless_normal((16, 64), seed=(1, 2)), tf.float16)
-with tf.GradientTape() as tape:
-    tape.watch(x)
-    outputs = layer_norm(
-        x, tf.ones([64]), tf.zeros([64]), epsilon=1e-3, is_training=True,
-        data_format="NHWC",
-    )[0]
-gradient = tape.gradient(outputs, x)
+x = tf.cast(tf.random.stateless_normal((16, 64), seed=(1, 2)), tf.DTYPE)
+
+@tf.function
+def gradient_of_layer_norm(x):
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        outputs = layer_norm(
+            x, tf.ones([64]), tf.zeros([64]), epsilon=1e-3, is_training=True,
+            data_format="NHWC",
+        )[0]
+    return tape.gradient(outputs, x)
+
+gradient = gradient_of_layer_norm(x)
 finite = bool(tf.reduce_all(tf.math.is_finite(tf.cast(gradient, tf.float32))))
 print(json.dumps({"finite": finite}))
 """
@@ -74,7 +90,13 @@ print(json.dumps({"finite": finite}))
 # Probe name -> (child script, what it runs, as `parse_child`'s reasons name it).
 PROBES = {
     "bfloat16_matmul": (_BFLOAT16_MATMUL_SCRIPT, "a bfloat16 MatMul"),
-    "float16_layer_norm": (_FLOAT16_LAYER_NORM_SCRIPT, "a float16 layer norm"),
+    **{
+        f"{dtype}_layer_norm": (
+            _LAYER_NORM_SCRIPT.replace("DTYPE", dtype),
+            f"a {dtype} layer norm",
+        )
+        for dtype in ("bfloat16", "float16")
+    },
 }
 
 
@@ -101,6 +123,7 @@ def cache_key(probe: str = "bfloat16_matmul") -> str:
     """Return the key the on-disk answer of `probe` is stored under."""
     parts = [
         probe,
+        PROBES[probe][0],  # a changed probe asks afresh
         _cpu_flags(),
         _version("intel-extension-for-tensorflow"),
         _version("tensorflow"),
@@ -136,6 +159,23 @@ def _without_boilerplate(error: str) -> str:
     return _BOILERPLATE.sub("", error).strip()
 
 
+def _cause(stderr: str) -> str:
+    """Return what `stderr` says failed ("" where it says nothing)."""
+    lines = [line.strip() for line in stderr.splitlines()]
+    # ITEX's kernels say what failed after "message: ": in the log line before
+    # an abort, and amid the lines of TensorFlow's report of a graph's error.
+    messages = [line.split("message: ", 1)[1] for line in lines if "message: " in line]
+    if messages:
+        return messages[-1].strip()
+    # Else the last error line (TensorFlow's start-up noise comes first).
+    errors = [
+        line
+        for line in lines
+        if "error" in line.lower() and "Unable to register" not in line
+    ]
+    return _without_boilerplate(errors[-1]) if errors else ""
+
+
 def parse_child(
     returncode: int, stdout: str, stderr: str, what: str = "a bfloat16 MatMul"
 ) -> dict:
@@ -168,13 +208,7 @@ def parse_child(
             return {"works": True, "backend": backend, "reason": ""}
         reason = f"{what} under ITEX returned non-finite gradients"
         return {"works": False, "backend": backend, "reason": reason}
-    # The last error line names the cause (TF's start-up noise comes first).
-    errors = [
-        line.strip()
-        for line in stderr.splitlines()
-        if "error" in line.lower() and "Unable to register" not in line
-    ]
-    error = _without_boilerplate(errors[-1]) if errors else ""
+    error = _cause(stderr)
     how = (
         f"killed the process (signal {-returncode})"
         if returncode < 0
@@ -216,7 +250,8 @@ def probe_status(probe: str, use_disk_cache: bool = True) -> dict:
     """Return whether the kernel of `probe` (a key of `PROBES`) works on this CPU.
 
     Args:
-        probe: `"bfloat16_matmul"` or `"float16_layer_norm"`.
+        probe: `"bfloat16_matmul"`, `"bfloat16_layer_norm"` or
+            `"float16_layer_norm"`.
         use_disk_cache: read and write the on-disk answer under
             `$KERAS_AMP_PLUS_CACHE_DIR` (default `~/.cache/keras_amp_plus`).
             Defaults to `True`.
@@ -262,13 +297,18 @@ def itex_bfloat16_status(use_disk_cache: bool = True) -> dict:
 
 
 @functools.cache
-def itex_float16_layer_norm_status(use_disk_cache: bool = True) -> dict:
-    """Return whether ITEX's float16 layer norm works on this CPU (cached per process).
+def itex_layer_norm_status(dtype: str, use_disk_cache: bool = True) -> dict:
+    """Return whether ITEX's layer norm runs `dtype` on this CPU (cached per process).
 
     Args:
+        dtype: `"bfloat16"` or `"float16"`.
         use_disk_cache: read and write the on-disk answer. Defaults to `True`.
 
     Returns:
-        `probe_status("float16_layer_norm")`'s dict.
+        `probe_status(f"{dtype}_layer_norm")`'s dict.
+
+    Example:
+    >>> itex_layer_norm_status("bfloat16")["works"]  # doctest: +SKIP
+    True
     """
-    return probe_status("float16_layer_norm", use_disk_cache)
+    return probe_status(f"{dtype}_layer_norm", use_disk_cache)

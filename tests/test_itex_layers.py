@@ -123,27 +123,32 @@ def test_layer_normalization_matches_float64(policy, mean, inputs_in):
     assert_close(beta_grad, reference[3], "float32", "beta gradient", scale)
 
 
+def itex_layer_norms(layer, spec):
+    """Return the ITEXLayerNorm ops of `layer` traced for `spec`."""
+    graph = tf.function(layer).get_concrete_function(spec).graph
+    return [op for op in graph.get_operations() if op.type == "ITEXLayerNorm"]
+
+
 @pytest.mark.itex
 def test_layer_normalization_runs_itex_fused_kernel():
-    layer = kap.layers.LayerNormalization(dtype="mixed_bfloat16")
-    function = tf.function(layer)
-    spec = tf.TensorSpec((None, 8, 32), tf.bfloat16)
-    graph = function.get_concrete_function(spec).graph
-    op_types = {op.type for op in graph.get_operations()}
-    assert "ITEXLayerNorm" in op_types
-    norm = next(op for op in graph.get_operations() if op.type == "ITEXLayerNorm")
-    assert norm.get_attr("T") == tf.bfloat16  # the compute dtype
-    assert norm.get_attr("U") == tf.float32  # statistics and gamma/beta
-    # float16 takes ITEX's kernel only where the probe found it runs here.
-    status = _itex_probe.itex_float16_layer_norm_status()
-    half = kap.layers.LayerNormalization(dtype="mixed_float16")
-    graph = tf.function(half).get_concrete_function(tf.TensorSpec((None, 32), "half"))
-    uses_itex = "ITEXLayerNorm" in {op.type for op in graph.graph.get_operations()}
-    assert uses_itex == status["works"], status["reason"]
+    layer = kap.layers.LayerNormalization()
+    (norm,) = itex_layer_norms(layer, tf.TensorSpec((None, 8, 32)))
+    assert norm.get_attr("T") == tf.float32 and norm.get_attr("U") == tf.float32
     # A normalization over two axes is not ITEX's kernel: our XLA kernel runs.
     two_axes = kap.layers.LayerNormalization(axis=(1, 2))
-    graph = tf.function(two_axes).get_concrete_function(tf.TensorSpec((2, 8, 32))).graph
-    assert "ITEXLayerNorm" not in {op.type for op in graph.get_operations()}
+    assert not itex_layer_norms(two_axes, tf.TensorSpec((2, 8, 32)))
+
+
+@pytest.mark.itex
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_half_precision_takes_itex_kernel_where_the_probe_found_it_runs(dtype):
+    status = _itex_probe.itex_layer_norm_status(dtype)
+    layer = kap.layers.LayerNormalization(dtype=f"mixed_{dtype}")
+    norms = itex_layer_norms(layer, tf.TensorSpec((None, 8, 32), dtype))
+    assert bool(norms) == status["works"], status["reason"]
+    for norm in norms:
+        assert norm.get_attr("T") == tf.as_dtype(dtype)  # the compute dtype
+        assert norm.get_attr("U") == tf.float32  # statistics and gamma/beta
 
 
 @pytest.mark.parametrize("policy", POLICIES)

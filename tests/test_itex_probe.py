@@ -69,8 +69,50 @@ def test_a_kernel_error_is_read_as_not_working_and_named_without_wrapping():
     assert status["works"] is False and status["backend"] == "AVX512"
     assert status["reason"] == (
         "a float16 layer norm under ITEX failed (exit status 1) on its AVX512 CPU "
-        "backend (AbortedError: could not create a primitive descriptor for a layer "
+        "backend (could not create a primitive descriptor for a layer "
         "normalization forward propagation primitive [Op:ITEXLayerNorm] name:)"
+    )
+
+
+def test_a_graph_error_is_named_by_the_kernels_message():
+    # What ITEX's float16 layer norm raises inside a tf.function on an AMD
+    # EPYC without AVX512 (TensorFlow's report spans lines).
+    stderr = (
+        "AVX2 CPU backend is loaded.\n"
+        "tensorflow.python.framework.errors_impl.AbortedError: Graph execution "
+        "error:\n\nDetected at node ITEXLayerNorm defined at (most recent call "
+        'last):\n  File "<string>", line 16, in gradient_of_layer_norm\n\n'
+        "Operation received an exception:Status:3, message: could not create a "
+        "primitive descriptor for a layer normalization forward propagation "
+        "primitive, in file ./itex/core/kernels/common/layer_norm_op.h:248\n"
+        "\t [[{{node ITEXLayerNorm}}]] [Op:__inference_gradient_of_layer_norm_30]\n"
+    )
+    status = itex_probe.parse_child(1, "", stderr, what="a float16 layer norm")
+    assert status["reason"] == (
+        "a float16 layer norm under ITEX failed (exit status 1) on its AVX2 CPU "
+        "backend (could not create a primitive descriptor for a layer "
+        "normalization forward propagation primitive, in file "
+        "./itex/core/kernels/common/layer_norm_op.h:248)"
+    )
+
+
+def test_an_abort_is_named_by_the_kernels_log_line():
+    # The bfloat16 MatMul of a graph on ITEX's AVX2 backend: ITEX logs the
+    # kernel's message, then the C++ exception aborts the process.
+    stderr = (
+        "AVX2 CPU backend is loaded.\n"
+        "W itex/core/utils/op_kernel.cc:526] ./itex/core/kernels/common/"
+        "matmul_op.h623Aborted: Operation received an exception:Status: 3, "
+        "message: could not create a primitive descriptor for a matmul primitive, "
+        "in file ./itex/core/kernels/common/matmul_op.h:620\n"
+        "terminate called after throwing an instance of 'dnnl::error'\n"
+        "  what():  object is not initialized\n"
+    )
+    status = itex_probe.parse_child(-6, "", stderr)
+    assert status["reason"] == (
+        "a bfloat16 MatMul under ITEX killed the process (signal 6) on its AVX2 "
+        "CPU backend (could not create a primitive descriptor for a matmul "
+        "primitive, in file ./itex/core/kernels/common/matmul_op.h:620)"
     )
 
 
@@ -120,13 +162,14 @@ def test_the_probe_on_this_machine(tmp_path, monkeypatch):
 
 
 @pytest.mark.itex
-def test_the_float16_layer_norm_probe_tells_what_the_kernel_does(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_the_layer_norm_probe_tells_what_the_kernel_does(dtype, tmp_path, monkeypatch):
     monkeypatch.setenv(_hardware.CACHE_DIR_VARIABLE, str(tmp_path))
-    status = itex_probe.probe_status("float16_layer_norm")
-    # The same kernel in this process, eagerly: where the probe says no, the
-    # kernel raises (as it would inside a user's step); where yes, it runs.
-    layer_norm = _compat.itex_layer_norm_op(tf.float16)
-    x = tf.ones((4, 16), tf.float16)
+    status = itex_probe.probe_status(f"{dtype}_layer_norm")
+    # The same kernel in this process, eagerly: where the probe says no, it
+    # raises (as it would inside a user's step); where yes, it runs.
+    layer_norm = _compat.itex_layer_norm_op(tf.as_dtype(dtype))
+    x = tf.ones((4, 16), dtype)
     try:
         layer_norm(x, tf.ones([16]), tf.zeros([16]), epsilon=1e-3, is_training=True)
         ran = True
@@ -134,7 +177,7 @@ def test_the_float16_layer_norm_probe_tells_what_the_kernel_does(tmp_path, monke
         ran = False
     assert ran == status["works"], status["reason"]
     if not ran:
-        assert "float16 layer norm" in status["reason"]
+        assert f"{dtype} layer norm" in status["reason"]
 
 
 def test_the_doctor_recommends_float32_where_itex_bfloat16_aborts():
@@ -150,7 +193,7 @@ def test_the_doctor_recommends_float32_where_itex_bfloat16_aborts():
     assert "do not work" in line
 
 
-def test_the_doctor_names_a_float16_layer_norm_itex_cannot_run():
+def test_the_doctor_names_a_layer_norm_itex_cannot_run():
     works = {"works": True, "backend": "AVX512", "reason": ""}
     refused = {"works": False, "backend": "AVX512", "reason": "no primitive"}
     itex = {"version": "2.15.0.0", "importable": True, "bfloat16": works}
@@ -158,6 +201,11 @@ def test_the_doctor_names_a_float16_layer_norm_itex_cannot_run():
     line = doctor_text._itex_line({**itex, "float16_layer_norm": refused})
     assert "work; float16 layer norm does not work (no primitive)" in line
     assert "LayerNormalization runs its own kernels in float16" in line
+    assert "bfloat16 layer norm" not in line
+    both = {**itex, "bfloat16_layer_norm": refused, "float16_layer_norm": refused}
+    line = doctor_text._itex_line(both)
+    assert "work; bfloat16 layer norm does not work (no primitive)" in line
+    assert "own kernels in bfloat16; float16 layer norm does not work" in line
 
 
 def test_the_doctor_keeps_its_advice_where_itex_bfloat16_works():
@@ -176,4 +224,5 @@ def test_the_doctor_reports_itex_on_this_stack():
     else:
         assert status["importable"] and status["version"].startswith("2.15.0")
         assert set(status["bfloat16"]) == {"works", "backend", "reason"}
-        assert set(status["float16_layer_norm"]) == {"works", "backend", "reason"}
+        for probe in ("bfloat16_layer_norm", "float16_layer_norm"):
+            assert set(status[probe]) == {"works", "backend", "reason"}

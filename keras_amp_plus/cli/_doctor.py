@@ -55,10 +55,12 @@ def stack_problems() -> list:
 def itex_status() -> dict:
     """Return ITEX's version (or None), whether it imports, and its kernels' state.
 
-    Where ITEX imports, `"bfloat16"` and `"float16_layer_norm"` hold the
-    subprocess probes' answers (`keras_amp_plus._itex_probe`): `{"works",
-    "backend", "reason"}`; on ITEX's AVX2 CPU backend the first bfloat16 MatMul
-    aborts the process, and without AVX512-FP16 its float16 layer norm fails.
+    Where ITEX imports, `"bfloat16"`, `"bfloat16_layer_norm"` and
+    `"float16_layer_norm"` hold the subprocess probes' answers
+    (`keras_amp_plus._itex_probe`): `{"works", "backend", "reason"}`; on ITEX's
+    AVX2 CPU backend the first bfloat16 MatMul of a graph aborts the process
+    and its half-precision layer norms fail, and without AVX512-FP16 its
+    float16 layer norm fails.
     """
     from keras_amp_plus import _compat, _itex_probe
 
@@ -74,7 +76,9 @@ def itex_status() -> dict:
     status = {"version": version, "importable": importable}
     if importable:
         status["bfloat16"] = _itex_probe.itex_bfloat16_status()
-        status["float16_layer_norm"] = _itex_probe.itex_float16_layer_norm_status()
+        for dtype in ("bfloat16", "float16"):
+            layer_norm = _itex_probe.itex_layer_norm_status(dtype)
+            status[f"{dtype}_layer_norm"] = layer_norm
     return status
 
 

@@ -23,12 +23,13 @@ def _itex_line(itex: dict) -> str:
         if bfloat16["works"]
         else f"bfloat16 kernels do not work: {bfloat16['reason']}"
     )
-    layer_norm = itex.get("float16_layer_norm")
-    if layer_norm is not None and not layer_norm["works"]:
-        kernels += (
-            f"; float16 layer norm does not work ({layer_norm['reason']}): "
-            "LayerNormalization runs its own kernels in float16"
-        )
+    for dtype in ("bfloat16", "float16"):
+        layer_norm = itex.get(f"{dtype}_layer_norm")
+        if layer_norm is not None and not layer_norm["works"]:
+            kernels += (
+                f"; {dtype} layer norm does not work ({layer_norm['reason']}): "
+                f"LayerNormalization runs its own kernels in {dtype}"
+            )
     details = ", ".join(part for part in (backend, kernels) if part)
     return f"{itex['version']} (importable; {details})"
 

@@ -15,13 +15,14 @@ _ITEX_MIN_EPSILON = 1.001e-5
 def _itex_layer_norm_op(input_dtype):
     """Return ITEX's layer-norm op where it runs `input_dtype` here, else None."""
     itex_op = _compat.itex_layer_norm_op(input_dtype)
-    if itex_op is None or tf.as_dtype(input_dtype) != tf.float16:
+    if itex_op is None or tf.as_dtype(input_dtype) not in (tf.bfloat16, tf.float16):
         return itex_op
-    # Found on an AMD EPYC with AVX512-BF16 only: ITEX's oneDNN has no float16
-    # layer-norm primitive there and the first call raises inside the step.
-    # The probe's child costs seconds once per machine (cached on disk).
-    works = _itex_probe.itex_float16_layer_norm_status()["works"]  # pragma: no cover
-    return itex_op if works else None  # pragma: no cover
+    # ITEX's oneDNN has no half-precision layer-norm primitive on some CPUs
+    # (float16 on an AMD EPYC with AVX512-BF16 only, both on ITEX's AVX2
+    # backend) and the first call raises inside the step. The probe's child
+    # costs seconds once per machine and dtype (cached on disk).
+    status = _itex_probe.itex_layer_norm_status(tf.as_dtype(input_dtype).name)
+    return itex_op if status["works"] else None  # pragma: no cover
 
 
 @keras.saving.register_keras_serializable(package="keras_amp_plus")

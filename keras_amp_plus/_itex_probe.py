@@ -87,6 +87,9 @@ finite = bool(tf.reduce_all(tf.math.is_finite(tf.cast(gradient, tf.float32))))
 print(json.dumps({"finite": finite}))
 """
 
+# The half dtypes ITEX's layer norm is probed in (float32 always runs).
+LAYER_NORM_PROBE_DTYPES = ("bfloat16", "float16")
+
 # Probe name -> (child script, what it runs, as `parse_child`'s reasons name it).
 PROBES = {
     "bfloat16_matmul": (_BFLOAT16_MATMUL_SCRIPT, "a bfloat16 MatMul"),
@@ -95,7 +98,7 @@ PROBES = {
             _LAYER_NORM_SCRIPT.replace("DTYPE", dtype),
             f"a {dtype} layer norm",
         )
-        for dtype in ("bfloat16", "float16")
+        for dtype in LAYER_NORM_PROBE_DTYPES
     },
 }
 

@@ -76,9 +76,8 @@ def itex_status() -> dict:
     status = {"version": version, "importable": importable}
     if importable:
         status["bfloat16"] = _itex_probe.itex_bfloat16_status()
-        for dtype in ("bfloat16", "float16"):
-            layer_norm = _itex_probe.itex_layer_norm_status(dtype)
-            status[f"{dtype}_layer_norm"] = layer_norm
+        for dtype in _itex_probe.LAYER_NORM_PROBE_DTYPES:
+            status[f"{dtype}_layer_norm"] = _itex_probe.itex_layer_norm_status(dtype)
     return status
 
 

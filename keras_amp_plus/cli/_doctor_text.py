@@ -1,6 +1,6 @@
 """Render the doctor's facts (`keras_amp_plus.cli._doctor.gather_facts`) as text."""
 
-from keras_amp_plus import _hardware
+from keras_amp_plus import _hardware, _itex_probe
 
 
 def _yes_no(value) -> str:
@@ -23,7 +23,7 @@ def _itex_line(itex: dict) -> str:
         if bfloat16["works"]
         else f"bfloat16 kernels do not work: {bfloat16['reason']}"
     )
-    for dtype in ("bfloat16", "float16"):
+    for dtype in _itex_probe.LAYER_NORM_PROBE_DTYPES:
         layer_norm = itex.get(f"{dtype}_layer_norm")
         if layer_norm is not None and not layer_norm["works"]:
             kernels += (

@@ -15,13 +15,14 @@ _ITEX_MIN_EPSILON = 1.001e-5
 def _itex_layer_norm_op(input_dtype):
     """Return ITEX's layer-norm op where it runs `input_dtype` here, else None."""
     itex_op = _compat.itex_layer_norm_op(input_dtype)
-    if itex_op is None or tf.as_dtype(input_dtype) not in (tf.bfloat16, tf.float16):
+    dtype = tf.as_dtype(input_dtype).name
+    if itex_op is None or dtype not in _itex_probe.LAYER_NORM_PROBE_DTYPES:
         return itex_op
     # ITEX's oneDNN has no half-precision layer-norm primitive on some CPUs
     # (float16 on an AMD EPYC with AVX512-BF16 only, both on ITEX's AVX2
     # backend) and the first call raises inside the step. The probe's child
     # costs seconds once per machine and dtype (cached on disk).
-    status = _itex_probe.itex_layer_norm_status(tf.as_dtype(input_dtype).name)
+    status = _itex_probe.itex_layer_norm_status(dtype)
     return itex_op if status["works"] else None  # pragma: no cover
 
 

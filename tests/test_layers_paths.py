@@ -26,7 +26,6 @@ from keras_amp_plus import _compat, _hardware, layers
 from keras_amp_plus.layers import (
     _batch_norm_formula,
     _fused_normalization,
-    _keras_formula,
     _path_calibration,
     _path_choice,
 )
@@ -111,24 +110,32 @@ class _UnknownShapeStep(_StepWrapped):
         self.call_in_step = tf.function(lambda x: layer(x), input_signature=[spec])
 
 
-def _counting(function, counter):
-    """`function`, counting its runs in `counter` (a variable) at run time."""
+def _counting(function, ran, key):
+    """`function`, appending `key` to the list `ran` whenever it runs."""
+
+    def record():
+        ran.append(key)
+        return np.int32(0)
 
     def counted(*args):
-        with tf.control_dependencies([counter.assign_add(1)]):
-            return tf.identity(function(*args))
+        # A Python callback, not a variable: the layer's `tf.custom_gradient`
+        # refuses functions that touch variables it was not handed.
+        with tf.control_dependencies([tf.numpy_function(record, [], tf.int32)]):
+            first, *rest = function(*args)
+            return (tf.identity(first), *rest)
 
     return counted
 
 
 def _check_path_of_each_batch(make_layer, sample, stat_axes, small, large, policy_name):
-    """`make_layer()` traced once for any batch size runs each batch's path."""
-    implementations = {
-        _path_choice.KERAS_FORMULA: (_keras_formula, "keras_formula_normalize"),
-        _path_choice.BATCH_NORM: (_batch_norm_formula, "batch_norm_normalize"),
-        _path_choice.FUSED_KERNELS: (_fused_normalization, "kernels_normalize"),
-    }
-    counters = {small: tf.Variable(0), large: tf.Variable(0)}
+    """`make_layer()` traced once for any batch size runs each batch's path.
+
+    Forward and backward: the switch's gradient runs the backward of the
+    path its forward ran, and every gradient matches float64.
+    """
+    fused = _fused_normalization
+    tables = {"forward": fused._FORWARD_BY_PATH, "backward": fused._BACKWARD_BY_PATH}
+    ran = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
             _path_calibration,
@@ -137,9 +144,10 @@ def _check_path_of_each_batch(make_layer, sample, stat_axes, small, large, polic
                 small if elements < 4 * 256 else large
             ),
         )
-        for path, counter in counters.items():
-            module, name = implementations[path]
-            patch.setattr(module, name, _counting(getattr(module, name), counter))
+        for direction, table in tables.items():
+            for path in (small, large):
+                counted = _counting(table[path], ran, (direction, path))
+                patch.setitem(table, path, counted)
         compute = use_policy(policy_name).compute_dtype
         layer = make_layer()
         layer.build((None, *sample))
@@ -148,22 +156,28 @@ def _check_path_of_each_batch(make_layer, sample, stat_axes, small, large, polic
         gamma = np.reshape(as_float64(layer.gamma), params)
         beta = np.reshape(as_float64(layer.beta), params)
         spec = tf.TensorSpec((None, *sample), compute)
-        step = tf.function(lambda x: layer(x), input_signature=[spec])
-        # 256 elements per sample: batches of 2 and 3 are small, 6 large.
-        for batch, path in ((2, small), (6, large), (3, small)):
-            before = {name: int(c.numpy()) for name, c in counters.items()}
-            x, upstream, x64, upstream64 = float_inputs((batch, *sample), 0.0, compute)
+
+        @tf.function(input_signature=[spec, spec])
+        def step(x, upstream):
             with tf.GradientTape() as tape:
                 tape.watch(x)
-                outputs = step(x)
-            x_grad = tape.gradient(outputs, x, output_gradients=upstream)
+                outputs = layer(x)
+            sources = [x, layer.gamma, layer.beta]
+            return outputs, tape.gradient(outputs, sources, output_gradients=upstream)
+
+        # 256 elements per sample: batches of 2 and 3 are small, 6 large.
+        for batch, path in ((2, small), (6, large), (3, small)):
+            ran.clear()
+            x, upstream, x64, upstream64 = float_inputs((batch, *sample), 0.0, compute)
+            outputs, grads = step(x, upstream)
             ref = normalization_reference(x64, upstream64, gamma, beta, 1e-3, stat_axes)
             assert_close(outputs, ref[0], compute, "outputs")
-            assert_close(x_grad, ref[1], compute, "x gradient")
-            ran = {
-                name for name, c in counters.items() if int(c.numpy()) > before[name]
-            }
-            assert ran == {path}
+            for name, grad, expected in zip(
+                ("x", "gamma", "beta"), grads, ref[1:], strict=True
+            ):
+                expected = np.reshape(expected, grad.shape)
+                assert_close(grad, expected, compute, f"{name} gradient")
+            assert sorted(ran) == [("backward", path), ("forward", path)]
         assert step.experimental_get_tracing_count() == 1
 
 
@@ -173,8 +187,9 @@ def _check_path_of_each_batch(make_layer, sample, stat_axes, small, large, polic
     (
         (_path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM),
         (_path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA),
+        (_path_choice.BATCH_NORM, _path_choice.FUSED_KERNELS),
     ),
-    ids=("formula_then_batch_norm", "kernels_then_formula"),
+    ids=("formula_then_batch_norm", "kernels_then_formula", "batch_norm_then_kernels"),
 )
 def test_an_unknown_batch_size_runs_the_path_of_each_batch(
     small, large, policy_name, monkeypatch

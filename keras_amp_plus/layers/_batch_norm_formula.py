@@ -61,23 +61,78 @@ def batch_norm_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     >>> [round(float(v), 2) for v in tf.reshape(out, [-1])]
     [-1.0, 1.0]
     """
-    rank = x.shape.rank
-    channels = x.shape[-1]
-    dims = tf.shape(x)
-    batch = dims[0]
-    # (N, S..., C) -> (S..., N, C): the (sample, channel) pairs last.
-    order = [*range(1, rank - 1), 0, rank - 1]
-    pairs = tf.reshape(tf.transpose(x, order), tf.stack([1, -1, 1, batch * channels]))
-    outputs, _, _ = tf.compat.v1.nn.fused_batch_norm(
-        pairs,
-        tf.tile(tf.reshape(gamma, [channels]), [batch]),
-        tf.tile(tf.reshape(beta, [channels]), [batch]),
+    outputs, _ = batch_norm_forward(x, gamma, beta, epsilon, stat_axes, output_dtype)
+    return outputs
+
+
+def batch_norm_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
+    """Return `(outputs, saved)`: `batch_norm_normalize` and what its gradient reads.
+
+    `saved` is the kernel's three reserve spaces (float32), which
+    `batch_norm_backward` hands to the gradient kernel as TensorFlow's own
+    gradient of the op does.
+    """
+    del stat_axes  # always the middle axes (`applies`)
+    outputs, _, _, *saved = tf.raw_ops.FusedBatchNormV3(
+        x=_to_pairs(x),
+        scale=_per_pair(gamma, x),
+        offset=_per_pair(beta, x),
+        mean=tf.constant([], tf.float32),
+        variance=tf.constant([], tf.float32),
         epsilon=epsilon,
+        exponential_avg_factor=1.0,
+        data_format="NHWC",
         is_training=True,
     )
+    return tf.cast(_from_pairs(outputs, x), output_dtype), tuple(saved)
+
+
+def batch_norm_backward(upstream, x, gamma, saved, epsilon, stat_axes):
+    """Return the gradients w.r.t. (x, gamma, beta) of `batch_norm_forward`."""
+    del stat_axes
+    x_grad, gamma_grad, beta_grad, _, _ = tf.raw_ops.FusedBatchNormGradV3(
+        y_backprop=_to_pairs(tf.cast(upstream, x.dtype)),
+        x=_to_pairs(x),
+        scale=_per_pair(gamma, x),
+        reserve_space_1=saved[0],
+        reserve_space_2=saved[1],
+        reserve_space_3=saved[2],
+        epsilon=epsilon,
+        data_format="NHWC",
+        is_training=True,
+    )
+    return (
+        _from_pairs(x_grad, x),
+        _per_channel_sum(gamma_grad, gamma),
+        _per_channel_sum(beta_grad, gamma),
+    )
+
+
+def _to_pairs(x):
+    """(N, S..., C) -> (1, prod(S), 1, N * C): the (sample, channel) pairs last."""
+    rank = x.shape.rank
+    order = [*range(1, rank - 1), 0, rank - 1]
+    pairs = tf.stack([1, -1, 1, tf.shape(x)[0] * x.shape[-1]])
+    return tf.reshape(tf.transpose(x, order), pairs)
+
+
+def _from_pairs(pairs, x):
+    """Return `pairs` as `x` was before `_to_pairs`."""
+    rank = x.shape.rank
+    dims = tf.shape(x)
     spatial = tf.gather(dims, list(range(1, rank - 1)))
-    outputs = tf.reshape(outputs, tf.concat([spatial, [batch, channels]], axis=0))
-    inverse = [rank - 2, *range(rank - 2), rank - 1]
-    outputs = tf.transpose(outputs, inverse)
+    grouped = tf.reshape(pairs, tf.concat([spatial, [dims[0], x.shape[-1]]], axis=0))
+    outputs = tf.transpose(grouped, [rank - 2, *range(rank - 2), rank - 1])
     outputs.set_shape(x.shape)
-    return tf.cast(outputs, output_dtype)
+    return outputs
+
+
+def _per_pair(weight, x):
+    """Return a per-channel weight repeated per sample: one value per pair."""
+    return tf.tile(tf.reshape(weight, [x.shape[-1]]), tf.shape(x)[:1])
+
+
+def _per_channel_sum(pair_values, weight):
+    """Sum one value per pair over the samples, in the shape of `weight`."""
+    per_sample = tf.reshape(pair_values, [-1, weight.shape[-1]])
+    return tf.reshape(tf.reduce_sum(per_sample, axis=0), tf.shape(weight))

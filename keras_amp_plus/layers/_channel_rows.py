@@ -53,21 +53,38 @@ def normalize_as_rows(normalize, x, gamma, beta):
     >>> out.numpy().tolist()
     [[[-1.0, -1.0], [1.0, 1.0]]]
     """
+    samples = tf.shape(x)[0]
+    rows = to_rows(x)
+    outputs = normalize(rows, per_row(gamma, samples), per_row(beta, samples), (1,))
+    return from_rows(outputs, x)
+
+
+def to_rows(x):
+    """(N, S..., C) -> (N * C, prod(S)): one row per sample and channel."""
     rank = x.shape.rank
     dims = tf.shape(x)
-    samples, channels = dims[0], dims[-1]
+    channels_first = tf.transpose(x, [0, rank - 1, *range(1, rank - 1)])
+    return tf.reshape(channels_first, tf.stack([dims[0] * dims[-1], -1]))
+
+
+def from_rows(rows, x):
+    """Return `rows` as `x` was before `to_rows`."""
+    rank = x.shape.rank
     channels_first = [0, rank - 1, *range(1, rank - 1)]
-    rows = tf.reshape(
-        tf.transpose(x, channels_first), tf.stack([samples * channels, -1])
-    )
-
-    def per_row(weight):
-        per_sample = tf.tile(tf.reshape(weight, [1, -1]), tf.stack([samples, 1]))
-        return tf.reshape(per_sample, [-1, 1])
-
-    outputs = normalize(rows, per_row(gamma), per_row(beta), (1,))
-    outputs = tf.reshape(outputs, tf.gather(dims, channels_first))
-    channels_last = [0, *range(2, rank), 1]
-    outputs = tf.transpose(outputs, channels_last)
+    grouped = tf.reshape(rows, tf.gather(tf.shape(x), channels_first))
+    outputs = tf.transpose(grouped, [0, *range(2, rank), 1])
     outputs.set_shape(x.shape)
     return outputs
+
+
+def per_row(weight, samples):
+    """Return a per-channel weight as one value per row of `to_rows`."""
+    per_sample = tf.tile(tf.reshape(weight, [1, -1]), tf.stack([samples, 1]))
+    return tf.reshape(per_sample, [-1, 1])
+
+
+def per_channel_sum(row_values, weight):
+    """Sum `(N * C, 1)` values of the rows over the samples, shaped as `weight`."""
+    channels = tf.size(weight)
+    per_sample = tf.reshape(row_values, tf.stack([-1, channels]))
+    return tf.reshape(tf.reduce_sum(per_sample, axis=0), tf.shape(weight))

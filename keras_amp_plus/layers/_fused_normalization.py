@@ -24,12 +24,11 @@ Keras's layers, `fused_normalize` runs Keras's formula instead
 (`_path_choice` decides; `benchmarks/layers.py` measures both).
 """
 
-import functools
-
 import tensorflow as tf
 
 from keras_amp_plus.layers import (
     _batch_norm_formula,
+    _batch_size_switch,
     _channel_rows,
     _feature_rows,
     _keras_formula,
@@ -199,57 +198,21 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     paths = _path_choice.paths_by_batch_size(
         x.shape, trailing, x.dtype, batch_norm_applies
     )
-    implementations = {
-        _path_choice.BATCH_NORM: _batch_norm_formula.batch_norm_normalize,
-        _path_choice.KERAS_FORMULA: _keras_formula.keras_formula_normalize,
-        _path_choice.FUSED_KERNELS: kernels_normalize,
-    }
-
-    def run(path, x, gamma, beta):
-        return implementations[path](x, gamma, beta, epsilon, stat_axes, output_dtype)
-
     if len(paths) == 1:
-        return run(paths[0][1], x, gamma, beta)
-    return _switch_on_batch_size(x, gamma, beta, paths, run)
+        normalize = _NORMALIZE_BY_PATH[paths[0][1]]
+        return normalize(x, gamma, beta, epsilon, stat_axes, output_dtype)
 
+    def forward(path, x, gamma, beta):
+        run = _FORWARD_BY_PATH[path]
+        return run(x, gamma, beta, epsilon, stat_axes, output_dtype)
 
-def _switch_on_batch_size(x, gamma, beta, paths, run):
-    """Run `run(path, x, gamma, beta)` for the path of `x`'s batch size.
+    def backward(path, upstream, x, gamma, saved):
+        run = _BACKWARD_BY_PATH[path]
+        return run(upstream, x, gamma, saved, epsilon, stat_axes)
 
-    Args:
-        x: the input, its batch size unknown at trace time.
-        gamma: the scale, as `fused_normalize` takes it.
-        beta: the offset, like `gamma`.
-        paths: `_path_choice.paths_by_batch_size` runs, more than one.
-        run: maps a path and the tensors to the normalized `x` by that
-            implementation.
-    """
-    distinct = sorted({path for _, path in paths})
-    branch_of_run = tf.constant([distinct.index(path) for _, path in paths])
-    firsts = tf.constant([first for first, _ in paths[1:]], tf.int64)
-    batch = tf.cast(tf.shape(x)[0], tf.int64)
-    run_index = tf.reduce_sum(tf.cast(batch >= firsts, tf.int32))
-    branches = [_branch(run, path, x, gamma, beta) for path in distinct]
-    outputs = tf.switch_case(tf.gather(branch_of_run, run_index), branches)
-    outputs.set_shape(x.shape)
-    return outputs
-
-
-def _branch(run, path, x, gamma, beta):
-    """Return the switch's branch running `path` on the tensors.
-
-    The kernels' branch calls a function of its own, which takes the tensors
-    as arguments: their `tf.custom_gradient` directly in a branch fails to
-    differentiate in graph mode (TensorFlow issue 50170), and one whose input
-    is a tensor the branch captured fails when a tape outside the step
-    differentiates it (cond_v2 asserts on the captured input). The other
-    paths, plain TensorFlow ops, run in the branch itself: a function call
-    there cost a few percent of a small layer's step.
-    """
-    if path == _path_choice.FUSED_KERNELS:
-        function = tf.function(functools.partial(run, path))
-        return functools.partial(function, x, gamma, beta)
-    return functools.partial(run, path, x, gamma, beta)
+    return _batch_size_switch.switch_on_batch_size(
+        x, gamma, beta, paths, forward, backward
+    )
 
 
 def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
@@ -281,9 +244,7 @@ def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
 
 def _normalize_with_gradient(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """`fused_normalize` on shapes as they come, one XLA kernel per shape."""
-    param_reduce_axes = tuple(
-        axis for axis in range(x.shape.rank) if gamma.shape[axis] == 1
-    )
+    param_reduce_axes = _param_reduce_axes(x, gamma)
 
     @tf.custom_gradient
     def normalize(x, gamma, beta):
@@ -299,3 +260,71 @@ def _normalize_with_gradient(x, gamma, beta, epsilon, stat_axes, output_dtype):
         return outputs, grad
 
     return normalize(x, gamma, beta)
+
+
+def kernels_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
+    """Return `(outputs, saved)`: `kernels_normalize` and its statistics.
+
+    For inputs whose batch size alone is unknown (`_batch_size_switch`):
+    instance norm's channels as rows (`_channel_rows`), anything else as it
+    comes. `saved` is `_normalize_forward`'s statistics, in that layout.
+    """
+    stat_axes = tuple(stat_axes)
+    if _channel_rows.applies(x, gamma, stat_axes):
+        samples = tf.shape(x)[0]
+        rows, statistics = _normalize_forward(
+            _channel_rows.to_rows(x),
+            _channel_rows.per_row(gamma, samples),
+            _channel_rows.per_row(beta, samples),
+            epsilon,
+            (1,),
+            tf.as_dtype(output_dtype),
+        )
+        return _channel_rows.from_rows(rows, x), statistics
+    return _normalize_forward(
+        x, gamma, beta, epsilon, stat_axes, tf.as_dtype(output_dtype)
+    )
+
+
+def kernels_backward(upstream, x, gamma, saved, epsilon, stat_axes):
+    """Return the gradients w.r.t. (x, gamma, beta) of `kernels_forward`."""
+    del epsilon
+    stat_axes = tuple(stat_axes)
+    if _channel_rows.applies(x, gamma, stat_axes):
+        x_grad, gamma_grad, beta_grad = _normalize_backward(
+            _channel_rows.to_rows(upstream),
+            _channel_rows.to_rows(x),
+            saved,
+            _channel_rows.per_row(gamma, tf.shape(x)[0]),
+            (1,),
+            (1,),
+        )
+        return (
+            _channel_rows.from_rows(x_grad, x),
+            _channel_rows.per_channel_sum(gamma_grad, gamma),
+            _channel_rows.per_channel_sum(beta_grad, gamma),
+        )
+    param_reduce_axes = _param_reduce_axes(x, gamma)
+    return _normalize_backward(upstream, x, saved, gamma, stat_axes, param_reduce_axes)
+
+
+def _param_reduce_axes(x, gamma):
+    """Return the axes `gamma` is constant along (its gradient's sums)."""
+    return tuple(axis for axis in range(x.shape.rank) if gamma.shape[axis] == 1)
+
+
+_NORMALIZE_BY_PATH = {
+    _path_choice.BATCH_NORM: _batch_norm_formula.batch_norm_normalize,
+    _path_choice.KERAS_FORMULA: _keras_formula.keras_formula_normalize,
+    _path_choice.FUSED_KERNELS: kernels_normalize,
+}
+_FORWARD_BY_PATH = {
+    _path_choice.BATCH_NORM: _batch_norm_formula.batch_norm_forward,
+    _path_choice.KERAS_FORMULA: _keras_formula.formula_forward,
+    _path_choice.FUSED_KERNELS: kernels_forward,
+}
+_BACKWARD_BY_PATH = {
+    _path_choice.BATCH_NORM: _batch_norm_formula.batch_norm_backward,
+    _path_choice.KERAS_FORMULA: _keras_formula.formula_backward,
+    _path_choice.FUSED_KERNELS: kernels_backward,
+}

@@ -1,0 +1,115 @@
+"""A run-time switch between normalization paths by the input's batch size.
+
+In a graph step traced for any batch size (`fit` on a `tf.data` pipeline
+without `drop_remainder`), the path measured fastest can change with the
+batch size (`_path_choice.paths_by_batch_size`). The layer then picks its
+path at run time with `tf.switch_case`. Left to autodiff, the switch's
+gradient is TensorFlow's cond_v2 gradient: the forward switch hands every
+intermediate any branch's gradient needs to the backward switch, which
+cost 0.1-0.4 ms a step on 2-core CPUs (`benchmarks/batch_switch.py`), a
+tenth of a small instance norm's step. Here the switch carries its own
+gradient instead: each path is a forward that returns its output and three
+tensors its backward reads (`saved`), and the backward switches between the
+paths' backwards with the same index.
+"""
+
+import tensorflow as tf
+
+
+def switch_on_batch_size(x, gamma, beta, paths, forward, backward):
+    """Normalize `x` by the path of its batch size, with an explicit gradient.
+
+    Args:
+        x: the input, its batch size unknown at trace time.
+        gamma: the scale, as `_fused_normalization.fused_normalize` takes it.
+        beta: the offset, like `gamma`.
+        paths: `_path_choice.paths_by_batch_size` runs, more than one.
+        forward: `forward(path, x, gamma, beta) -> (outputs, saved)`, the
+            output by `path` and three tensors of `gamma`'s dtype that
+            path's backward reads.
+        backward: `backward(path, upstream, x, gamma, saved) -> (x_grad,
+            gamma_grad, beta_grad)`.
+
+    Returns:
+        The normalized `x`, differentiable w.r.t. `x`, `gamma` and `beta`.
+
+    Example:
+    >>> import tensorflow as tf
+    >>> factor = {"one": 1.0, "two": 2.0}
+    >>> def forward(path, x, gamma, beta):
+    ...     return factor[path] * x, (gamma, gamma, gamma)
+    >>> def backward(path, upstream, x, gamma, saved):
+    ...     return factor[path] * upstream, 0 * gamma, 0 * gamma
+    >>> paths = ((1, "one"), (3, "two"))  # batches of 3 and more: "two"
+    >>> ones, zeros = tf.ones([1, 1]), tf.zeros([1, 1])
+    >>> step = tf.function(
+    ...     lambda x: switch_on_batch_size(x, ones, zeros, paths, forward, backward),
+    ...     input_signature=[tf.TensorSpec([None, 1])])
+    >>> [float(step(tf.ones([n, 1]))[0, 0]) for n in (2, 3)]
+    [1.0, 2.0]
+    """
+    distinct = sorted({path for _, path in paths})
+    branch_of_run = tf.constant([distinct.index(path) for _, path in paths])
+    firsts = tf.constant([first for first, _ in paths[1:]], tf.int64)
+
+    @tf.custom_gradient
+    def switched(x, gamma, beta):
+        batch = tf.cast(tf.shape(x)[0], tf.int64)
+        run_index = tf.reduce_sum(tf.cast(batch >= firsts, tf.int32))
+        branch = tf.gather(branch_of_run, run_index)
+        # The switch's outputs lose the static shapes the paths' `saved`
+        # differ in; each backward gets those of its own forward back.
+        saved_shapes = {}
+        branches = [
+            _forward_branch(forward, path, x, gamma, beta, saved_shapes)
+            for path in distinct
+        ]
+        results = tf.switch_case(branch, branches)
+        outputs, saved = results[0], tuple(results[1:])
+        outputs.set_shape(x.shape)
+
+        def grad(upstream):
+            grads = tf.switch_case(
+                branch,
+                [
+                    _backward_branch(
+                        backward, path, upstream, x, gamma, saved, saved_shapes
+                    )
+                    for path in distinct
+                ],
+            )
+            for gradient, like in zip(grads, (x, gamma, beta), strict=True):
+                gradient.set_shape(like.shape)
+            return tuple(grads)
+
+        return outputs, grad
+
+    return switched(x, gamma, beta)
+
+
+def _forward_branch(forward, path, x, gamma, beta, saved_shapes):
+    """Return the forward branch of `path`: its output, then its `saved`.
+
+    Tracing it records the static shapes of `saved` in `saved_shapes[path]`.
+    """
+
+    def branch():
+        outputs, saved = forward(path, x, gamma, beta)
+        saved_shapes[path] = [tensor.shape for tensor in saved]
+        return (outputs, *saved)
+
+    return branch
+
+
+def _backward_branch(backward, path, upstream, x, gamma, saved, saved_shapes):
+    """Return the backward branch of `path`: the three gradients."""
+
+    def branch():
+        shaped = []
+        for tensor, shape in zip(saved, saved_shapes[path], strict=True):
+            tensor = tf.identity(tensor)
+            tensor.set_shape(shape)
+            shaped.append(tensor)
+        return tuple(backward(path, upstream, x, gamma, tuple(shaped)))
+
+    return branch

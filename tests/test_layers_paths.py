@@ -8,6 +8,7 @@ steps; the choice must follow the rules in `_path_choice`.
 import json
 import os
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -214,6 +215,57 @@ def test_sequences_of_unknown_batch_size_run_the_path_of_each_batch(
     _check_path_of_each_batch(
         layers.LayerNormalization, (8, 32), (2,), kernels, formula, policy_name
     )
+
+
+def _conv_classifier(normalization):
+    """A small CNN around `normalization` (an instance-norm layer)."""
+    keras.utils.set_random_seed(3)
+    images = keras.Input((6, 6, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same")(images)
+    x = keras.layers.GlobalAveragePooling2D()(normalization(x))
+    return keras.Model(images, keras.layers.Dense(2)(x))
+
+
+def test_fit_on_a_dataset_trains_through_the_switch_like_keras(monkeypatch):
+    # `fit` on a tf.data pipeline with a partial last batch traces one step
+    # for any batch size: full batches take one path, the last another, and
+    # the weights after an epoch are those Keras's layer trains to.
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    monkeypatch.setattr(
+        _path_calibration,
+        "measured_path",
+        lambda elements, trailing, dtype, unknown_batch: (
+            _path_choice.KERAS_FORMULA
+            if elements < 3 * 36 * 8
+            else _path_choice.BATCH_NORM
+        ),
+    )
+    ran = []
+    forwards = _fused_normalization._FORWARD_BY_PATH
+    for path in (_path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM):
+        monkeypatch.setitem(forwards, path, _counting(forwards[path], ran, path))
+    use_policy("float32")
+    rng = np.random.default_rng(0)
+    x = rng.normal(2.0, 1.5, (10, 6, 6, 3)).astype("float32")
+    y = rng.integers(0, 2, 10)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)  # 4, 4, 2
+    models = [
+        _conv_classifier(layers.InstanceNormalization(epsilon=1e-3)),
+        _conv_classifier(keras.layers.GroupNormalization(groups=-1, epsilon=1e-3)),
+    ]
+    initial = models[0].get_weights()
+    for model in models:
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.fit(data, epochs=2, verbose=0)
+    assert ran.count(_path_choice.BATCH_NORM) == 4  # two full batches an epoch
+    assert ran.count(_path_choice.KERAS_FORMULA) == 2  # the partial one
+    ours, theirs = (model.get_weights() for model in models)
+    assert not np.allclose(ours[0], initial[0])
+    for ours_weight, keras_weight in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(ours_weight, keras_weight, rtol=2e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("policy_name", POLICIES)

@@ -145,7 +145,7 @@ def paths_by_batch_size(
     the measured winner depends on the input's size. Then the choice is made
     per batch size, from the winners measured in steps traced that way (the
     kernels where none were), and the layer switches between the paths at
-    run time (`tf.switch_case`). Elsewhere (a known shape, XLA, a forced
+    run time (`_batch_size_switch`). Elsewhere (a known shape, XLA, a forced
     path, ...) it is one path for every size.
 
     Args:

@@ -217,6 +217,99 @@ def test_sequences_of_unknown_batch_size_run_the_path_of_each_batch(
     )
 
 
+def _second_order_reference(x, upstream, direction, gamma, beta, stat_axes):
+    """d/dx of sum(x_gradient(x) * direction), by central differences in float64."""
+    step, second = 1e-5, np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        shifted = []
+        for sign in (1.0, -1.0):
+            moved = x.copy()
+            moved[index] += sign * step
+            x_grad = normalization_reference(
+                moved, upstream, gamma, beta, 1e-3, stat_axes
+            )[1]
+            shifted.append((x_grad * direction).sum())
+        second[index] = (shifted[0] - shifted[1]) / (2 * step)
+    return second
+
+
+def _penalty_gradients(step, x, upstream, direction):
+    """Return the layer's x gradient and the gradient of `<x_grad, direction>`.
+
+    Both tapes outside the step, as a gradient penalty takes them.
+    """
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            outputs = step(x)
+        x_grad = inner.gradient(outputs, x, output_gradients=upstream)
+        penalty = tf.reduce_sum(x_grad * direction)
+    return x_grad, outer.gradient(penalty, x)
+
+
+def _instance_norm_any_batch(sample):
+    """A built instance norm with random weights, in a step for any batch size."""
+    layer = layers.InstanceNormalization()
+    layer.build((None, *sample))
+    set_random_weights(layer)
+    params = (1,) * len(sample) + (sample[-1],)
+    gamma = np.reshape(as_float64(layer.gamma), params)
+    beta = np.reshape(as_float64(layer.beta), params)
+    spec = tf.TensorSpec((None, *sample), tf.float32)
+    step = tf.function(lambda x: layer(x), input_signature=[spec])
+    return step, gamma, beta
+
+
+@pytest.mark.parametrize(
+    "path",
+    (_path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM),
+)
+def test_one_path_differentiates_twice_like_float64(path, monkeypatch):
+    # A gradient penalty (WGAN-GP, R1) differentiates the layer's gradient
+    # again: every path's explicit gradient is differentiable itself.
+    monkeypatch.setenv(_path_choice.PATH_VARIABLE, path)
+    use_policy("float32")
+    step, gamma, beta = _instance_norm_any_batch((4, 4, 4))
+    x, upstream, x64, upstream64 = float_inputs((2, 4, 4, 4), 0.0, tf.float32)
+    direction = tf.random.stateless_normal(x.shape, (1, 2))
+    x_grad, second = _penalty_gradients(step, x, upstream, direction)
+    ref = normalization_reference(x64, upstream64, gamma, beta, 1e-3, (1, 2))
+    assert_close(x_grad, ref[1], "float32", "x gradient")
+    expected = _second_order_reference(
+        x64, upstream64, as_float64(direction), gamma, beta, (1, 2)
+    )
+    atol = 1e-3 * np.abs(expected).max()
+    np.testing.assert_allclose(as_float64(second), expected, rtol=1e-3, atol=atol)
+
+
+def test_the_switch_refuses_a_second_order_gradient_loudly(monkeypatch):
+    # TensorFlow differentiates a switch inside a gradient function to zeros:
+    # a penalty through the run-time switch would quietly vanish, so it
+    # raises when the tape builds it; the first order, tapes outside the
+    # step, still matches float64.
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    monkeypatch.setattr(
+        _path_calibration,
+        "measured_path",
+        lambda elements, trailing, dtype, unknown_batch: (
+            _path_choice.KERAS_FORMULA if elements < 128 else _path_choice.BATCH_NORM
+        ),
+    )
+    use_policy("float32")
+    step, gamma, beta = _instance_norm_any_batch((4, 4, 4))
+    for batch in (1, 3):  # 64 elements a sample: the formula, then batch norm
+        x, upstream, x64, upstream64 = float_inputs((batch, *(4, 4, 4)), 0.0, "float32")
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = step(x)
+        x_grad = tape.gradient(outputs, x, output_gradients=upstream)
+        ref = normalization_reference(x64, upstream64, gamma, beta, 1e-3, (1, 2))
+        assert_close(x_grad, ref[1], "float32", "x gradient")
+        with pytest.raises(ValueError, match="cannot be differentiated again"):
+            _penalty_gradients(step, x, upstream, tf.ones_like(x))
+
+
 def _conv_classifier(normalization):
     """A small CNN around `normalization` (an instance-norm layer)."""
     keras.utils.set_random_seed(3)
@@ -241,9 +334,10 @@ def test_fit_on_a_dataset_trains_through_the_switch_like_keras(monkeypatch):
         ),
     )
     ran = []
-    forwards = _fused_normalization._FORWARD_BY_PATH
-    for path in (_path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM):
-        monkeypatch.setitem(forwards, path, _counting(forwards[path], ran, path))
+    fused = _fused_normalization
+    for table in (fused._FORWARD_BY_PATH, fused._BACKWARD_BY_PATH):
+        for path in (_path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM):
+            monkeypatch.setitem(table, path, _counting(table[path], ran, path))
     use_policy("float32")
     rng = np.random.default_rng(0)
     x = rng.normal(2.0, 1.5, (10, 6, 6, 3)).astype("float32")
@@ -260,8 +354,9 @@ def test_fit_on_a_dataset_trains_through_the_switch_like_keras(monkeypatch):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         model.fit(data, epochs=2, verbose=0)
-    assert ran.count(_path_choice.BATCH_NORM) == 4  # two full batches an epoch
-    assert ran.count(_path_choice.KERAS_FORMULA) == 2  # the partial one
+    # Forward and backward: two full batches an epoch, then the partial one.
+    assert ran.count(_path_choice.BATCH_NORM) == 2 * 4
+    assert ran.count(_path_choice.KERAS_FORMULA) == 2 * 2
     ours, theirs = (model.get_weights() for model in models)
     assert not np.allclose(ours[0], initial[0])
     for ours_weight, keras_weight in zip(ours, theirs, strict=True):

@@ -10,10 +10,14 @@ cost 0.1-0.4 ms a step on 2-core CPUs (`benchmarks/batch_switch.py`), a
 tenth of a small instance norm's step. Here the switch carries its own
 gradient instead: each path is a forward that returns its output and three
 tensors its backward reads (`saved`), and the backward switches between the
-paths' backwards with the same index.
+paths' backwards with the same index. That gradient is differentiable once:
+TensorFlow differentiated a switch inside a gradient function to zeros, so a
+second-order gradient through the switch (a gradient penalty) raises instead.
 """
 
 import tensorflow as tf
+
+from keras_amp_plus.layers import _path_choice
 
 
 def switch_on_batch_size(x, gamma, beta, paths, forward, backward):
@@ -68,6 +72,7 @@ def switch_on_batch_size(x, gamma, beta, paths, forward, backward):
         outputs, saved = results[0], tuple(results[1:])
         outputs.set_shape(x.shape)
 
+        @tf.custom_gradient
         def grad(upstream):
             grads = tf.switch_case(
                 branch,
@@ -80,7 +85,7 @@ def switch_on_batch_size(x, gamma, beta, paths, forward, backward):
             )
             for gradient, like in zip(grads, (x, gamma, beta), strict=True):
                 gradient.set_shape(like.shape)
-            return tuple(grads)
+            return tuple(grads), _refuse_second_order(paths)
 
         return outputs, grad
 
@@ -90,26 +95,74 @@ def switch_on_batch_size(x, gamma, beta, paths, forward, backward):
 def _forward_branch(forward, path, x, gamma, beta, saved_shapes):
     """Return the forward branch of `path`: its output, then its `saved`.
 
-    Tracing it records the static shapes of `saved` in `saved_shapes[path]`.
+    Each saved tensor leaves the branch flat, beside its shape padded with
+    leading ones to one length: the paths' saved tensors differ in rank, and
+    the outputs of a switch whose branches differ in rank break a tape that
+    differentiates its gradient again (nested tapes, as a gradient penalty
+    takes them). Tracing the branch records the static shapes in
+    `saved_shapes[path]`.
     """
+    length = _shape_length(x)
 
     def branch():
         outputs, saved = forward(path, x, gamma, beta)
         saved_shapes[path] = [tensor.shape for tensor in saved]
-        return (outputs, *saved)
+        flat = []
+        for tensor in saved:
+            shape = tf.shape(tensor)
+            if tensor.shape.rank is not None:
+                padding = tf.ones([length - tensor.shape.rank], shape.dtype)
+                shape = tf.concat([padding, shape], axis=0)
+            else:  # opaque (a kernel's workspace): its backward takes it flat
+                shape = tf.ones([length], shape.dtype)
+            flat += [tf.reshape(tensor, [-1]), shape]
+        return (outputs, *flat)
 
     return branch
 
 
 def _backward_branch(backward, path, upstream, x, gamma, saved, saved_shapes):
     """Return the backward branch of `path`: the three gradients."""
+    length = _shape_length(x)
 
     def branch():
         shaped = []
-        for tensor, shape in zip(saved, saved_shapes[path], strict=True):
-            tensor = tf.identity(tensor)
-            tensor.set_shape(shape)
+        for index, static_shape in enumerate(saved_shapes[path]):
+            tensor, padded_shape = saved[2 * index], saved[2 * index + 1]
+            if static_shape.rank is not None:
+                shape = padded_shape[length - static_shape.rank :]
+                tensor = tf.reshape(tensor, shape)
+                tensor.set_shape(static_shape)
             shaped.append(tensor)
         return tuple(backward(path, upstream, x, gamma, tuple(shaped)))
 
     return branch
+
+
+def _refuse_second_order(paths):
+    """Return a gradient function that raises: the switch is differentiable once.
+
+    TensorFlow differentiated a switch inside a gradient function to zeros
+    (a gradient penalty would then quietly vanish), so differentiating the
+    layer's gradient again raises when the tape builds it.
+    """
+
+    def second_order(*_):
+        raise ValueError(
+            "A normalization layer traced for any batch size switches between "
+            "its implementations at run time, and its gradient cannot be "
+            "differentiated again there (nested GradientTapes, as a gradient "
+            "penalty takes them). Trace the step for a known batch size (batch "
+            "the tf.data pipeline with `drop_remainder=True`), or run one "
+            f"implementation for every size: set `{_path_choice.PATH_VARIABLE}` to "
+            "'fused_kernels' (or 'keras_formula'). "
+            f"Received: paths by batch size={paths!r}"
+        )
+
+    return second_order
+
+
+def _shape_length(x):
+    """Return the length the saved tensors' shapes are padded to."""
+    # Every path saves tensors of x's rank at most (rows: rank 2).
+    return max(x.shape.rank, 2)

@@ -5,8 +5,8 @@ layers run Keras's own formula, `x * inv + (beta - mean * inv)` with `inv =
 rsqrt(variance + epsilon) * gamma` (`tf.nn.moments`, elementwise ops).
 Inside an XLA-compiled model XLA fuses it and TensorFlow's autodiff of it
 with its neighbours, which is what makes Keras's layers fast there; the form
-matters: the mathematically equal `(x - mean) * inv + beta` keeps one more
-full-size tensor for autodiff and ran slower in both graph and XLA steps.
+matters there: the mathematically equal `(x - mean) * inv + beta` keeps one
+more full-size tensor for autodiff and ran slower.
 Outside XLA its gradient is the analytic one (`formula_backward`), fewer
 passes over memory than autodiff's. Unlike
 Keras's layers, the statistics are computed in the dtype of `gamma` (float32
@@ -110,7 +110,8 @@ def formula_backward(upstream, x, gamma, saved, epsilon, stat_axes):
         x_grad = (inverse_stddev * gamma) * (
             upstream_wide - upstream_mean - normalized * projection
         )
-        count = tf.cast(tf.size(x) // tf.size(mean), gamma.dtype)
+        dims = tf.shape(x, out_type=tf.int64)
+        count = tf.cast(tf.reduce_prod(tf.gather(dims, stat_axes)), gamma.dtype)
         remaining = sorted(set(weight_axes) - set(stat_axes))
         gamma_grad = tf.reduce_sum(projection * count, remaining, keepdims=True)
         beta_grad = tf.reduce_sum(upstream_mean * count, remaining, keepdims=True)

@@ -111,6 +111,17 @@ class _UnknownShapeStep(_StepWrapped):
         self.call_in_step = tf.function(lambda x: layer(x), input_signature=[spec])
 
 
+def _measure_by_size(patch, small, large, first_large):
+    """Patch the measurements: `small` below `first_large` elements, else `large`."""
+    patch.setattr(
+        _path_calibration,
+        "measured_path",
+        lambda elements, trailing, dtype, unknown_batch: (
+            small if elements < first_large else large
+        ),
+    )
+
+
 def _counting(function, ran, key):
     """`function`, appending `key` to the list `ran` whenever it runs."""
 
@@ -138,13 +149,7 @@ def _check_path_of_each_batch(make_layer, sample, stat_axes, small, large, polic
     tables = {"forward": fused._FORWARD_BY_PATH, "backward": fused._BACKWARD_BY_PATH}
     ran = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(
-            _path_calibration,
-            "measured_path",
-            lambda elements, trailing, dtype, unknown_batch: (
-                small if elements < 4 * 256 else large
-            ),
-        )
+        _measure_by_size(patch, small, large, 4 * 256)
         for direction, table in tables.items():
             for path in (small, large):
                 counted = _counting(table[path], ran, (direction, path))
@@ -289,13 +294,8 @@ def test_the_switch_refuses_a_second_order_gradient_loudly(monkeypatch):
     # raises when the tape builds it; the first order, tapes outside the
     # step, still matches float64.
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
-    monkeypatch.setattr(
-        _path_calibration,
-        "measured_path",
-        lambda elements, trailing, dtype, unknown_batch: (
-            _path_choice.KERAS_FORMULA if elements < 128 else _path_choice.BATCH_NORM
-        ),
-    )
+    formula, batch_norm = _path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM
+    _measure_by_size(monkeypatch, formula, batch_norm, 128)
     use_policy("float32")
     step, gamma, beta = _instance_norm_any_batch((4, 4, 4))
     for batch in (1, 3):  # 64 elements a sample: the formula, then batch norm
@@ -324,15 +324,8 @@ def test_fit_on_a_dataset_trains_through_the_switch_like_keras(monkeypatch):
     # for any batch size: full batches take one path, the last another, and
     # the weights after an epoch are those Keras's layer trains to.
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
-    monkeypatch.setattr(
-        _path_calibration,
-        "measured_path",
-        lambda elements, trailing, dtype, unknown_batch: (
-            _path_choice.KERAS_FORMULA
-            if elements < 3 * 36 * 8
-            else _path_choice.BATCH_NORM
-        ),
-    )
+    formula, batch_norm = _path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM
+    _measure_by_size(monkeypatch, formula, batch_norm, 3 * 36 * 8)
     ran = []
     fused = _fused_normalization
     for table in (fused._FORWARD_BY_PATH, fused._BACKWARD_BY_PATH):

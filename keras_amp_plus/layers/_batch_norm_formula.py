@@ -14,6 +14,8 @@ the other paths is measured (`_path_calibration`).
 
 import tensorflow as tf
 
+from keras_amp_plus.layers import _channel_rows
+
 # The kernel raises epsilon to this minimum (cuDNN's); smaller ones would
 # change the result, so such layers take another path.
 MIN_EPSILON = 1.001e-5
@@ -103,8 +105,8 @@ def batch_norm_backward(upstream, x, gamma, saved, epsilon, stat_axes):
     )
     return (
         _from_pairs(x_grad, x),
-        _per_channel_sum(gamma_grad, gamma),
-        _per_channel_sum(beta_grad, gamma),
+        _channel_rows.per_channel_sum(gamma_grad, gamma),
+        _channel_rows.per_channel_sum(beta_grad, gamma),
     )
 
 
@@ -130,9 +132,3 @@ def _from_pairs(pairs, x):
 def _per_pair(weight, x):
     """Return a per-channel weight repeated per sample: one value per pair."""
     return tf.tile(tf.reshape(weight, [x.shape[-1]]), tf.shape(x)[:1])
-
-
-def _per_channel_sum(pair_values, weight):
-    """Sum one value per pair over the samples, in the shape of `weight`."""
-    per_sample = tf.reshape(pair_values, [-1, weight.shape[-1]])
-    return tf.reshape(tf.reduce_sum(per_sample, axis=0), tf.shape(weight))

@@ -84,7 +84,11 @@ def per_row(weight, samples):
 
 
 def per_channel_sum(row_values, weight):
-    """Sum `(N * C, 1)` values of the rows over the samples, shaped as `weight`."""
+    """Sum one value per (sample, channel) over the samples, shaped as `weight`.
+
+    The values in `to_rows` order (sample-major), in any shape: the rows'
+    `(N * C, 1)` or the batch-norm kernel's `(N * C,)` pairs.
+    """
     channels = tf.size(weight)
     per_sample = tf.reshape(row_values, tf.stack([-1, channels]))
     return tf.reshape(tf.reduce_sum(per_sample, axis=0), tf.shape(weight))

@@ -24,6 +24,7 @@ def describe() -> dict:
     flags = _hardware.parse_cpu_flags(text) if text else None
     return {
         "model": _hardware.parse_cpu_model(text) if text else None,
+        "signature": _hardware.parse_cpu_signature(text) if text else None,
         "features": _hardware.low_precision_features(flags),
         "avx512f": None if flags is None else "avx512f" in flags,
         "onednn": _compat.onednn_enabled(),
@@ -78,7 +79,8 @@ def print_header(title: str) -> dict:
     onednn = {True: "on", False: "off", None: "unknown"}[machine["onednn"]]
     isa = machine["xla_max_isa"]
     print(title)
-    print(f"CPU: {machine['model']} ({machine['cpu_count']} cores)")
+    signature = f", {machine['signature']}" if machine["signature"] else ""
+    print(f"CPU: {machine['model']} ({machine['cpu_count']} cores{signature})")
     print(
         f"low-precision instructions: {flags}; AVX512F: {machine['avx512f']}; "
         f"oneDNN {onednn}" + (f"; XLA capped at {isa}" if isa else "")

@@ -84,6 +84,34 @@ def parse_cpu_model(cpuinfo_text: str) -> str | None:
     return None
 
 
+def parse_cpu_signature(cpuinfo_text: str) -> str | None:
+    r"""Return the first CPU's `family F model M` from `/proc/cpuinfo`, or None.
+
+    Virtual machines often name the CPU only by its brand (`AMD EPYC`), while
+    two generations under one name race the layers' paths differently; the
+    family and model numbers tell them apart (AMD's Zen 4 is family 25, Zen 5
+    family 26).
+
+    Args:
+        cpuinfo_text: the contents of `/proc/cpuinfo`.
+
+    Example:
+    >>> parse_cpu_signature("cpu family\t: 26\nmodel\t\t: 2\n")
+    'family 26 model 2'
+    >>> parse_cpu_signature("Features\t: fp asimd\n") is None
+    True
+    """
+    found = {}
+    for line in cpuinfo_text.splitlines():
+        key, separator, value = line.partition(":")
+        key = key.strip().lower()
+        if separator and key in ("cpu family", "model") and key not in found:
+            found[key] = value.strip()
+        if len(found) == 2:
+            return f"family {found['cpu family']} model {found['model']}"
+    return None
+
+
 def low_precision_features(flags: frozenset | None) -> dict | None:
     """Return which low-precision extensions are present among `flags`.
 
@@ -148,9 +176,10 @@ QUICK_PROBE = {"seconds": 0.5, "size": 512}
 
 
 def cpu_facts(path: str = CPUINFO_PATH) -> dict:
-    """Return `{"system", "machine", "model", "features"}` of this CPU.
+    """Return `{"system", "machine", "model", "signature", "features"}` of this CPU.
 
-    `model` and `features` are None when `/proc/cpuinfo` cannot be read.
+    `model`, `signature` (`parse_cpu_signature`) and `features` are None
+    when `/proc/cpuinfo` cannot be read.
 
     Args:
         path: the cpuinfo file. Defaults to `"/proc/cpuinfo"`.
@@ -161,6 +190,7 @@ def cpu_facts(path: str = CPUINFO_PATH) -> dict:
         "system": platform.system(),
         "machine": platform.machine(),
         "model": None if text is None else parse_cpu_model(text),
+        "signature": None if text is None else parse_cpu_signature(text),
         "features": low_precision_features(flags),
     }
 

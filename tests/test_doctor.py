@@ -19,6 +19,8 @@ from keras_amp_plus.cli._recommendation import recommend
 SAPPHIRE_RAPIDS = """\
 processor\t: 0
 vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
 model name\t: Intel(R) Xeon(R) Platinum 8480+
 flags\t\t: fpu vme avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8
 processor\t: 1
@@ -60,6 +62,15 @@ def test_parse_cpu_model():
     assert cpu_features.parse_cpu_model(GRAVITON) is None
 
 
+def test_parse_cpu_signature_tells_generations_under_one_brand_apart():
+    zen5 = "cpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+    zen4 = "cpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    assert cpu_features.parse_cpu_signature(zen5) == "family 26 model 2"
+    assert cpu_features.parse_cpu_signature(zen4) == "family 25 model 17"
+    assert cpu_features.parse_cpu_signature(SAPPHIRE_RAPIDS) == "family 6 model 143"
+    assert cpu_features.parse_cpu_signature(GRAVITON) is None
+
+
 def test_cpu_status_without_cpuinfo_reports_unknown(tmp_path):
     status = doctor.cpu_status(str(tmp_path / "no_such_cpuinfo"))
     assert status["features"] is None
@@ -72,6 +83,7 @@ def test_cpu_status_reads_the_given_file(tmp_path):
     path.write_text(SAPPHIRE_RAPIDS)
     status = doctor.cpu_status(str(path))
     assert status["model"] == "Intel(R) Xeon(R) Platinum 8480+"
+    assert status["signature"] == "family 6 model 143"
     assert status["features"]["amx_bf16"] is True
     assert status["features"]["amx_fp16"] is False
 
@@ -343,6 +355,7 @@ def test_jit_probe_measures_both_modes_and_restores_the_policy():
 
 def test_render_text():
     text = doctor_text.render(_facts({"features": None}))
+    assert "CPU             Darwin arm64\n" in text
     assert "CPU features    unknown (no /proc/cpuinfo on Darwin)" in text
     assert "ITEX            2.15.0.0 (not importable on this stack)" in text
     assert "oneDNN          on (TF_ENABLE_ONEDNN_OPTS unset, TF's default)" in text
@@ -350,6 +363,12 @@ def test_render_text():
     assert "4.00x" in text  # bfloat16 row: 16 / 4 CPU ms
     assert "float16     not available: NotFoundError" in text
     assert text.endswith("use mixed_bfloat16")
+
+
+def test_render_names_the_cpu_generation():
+    facts = _facts({"features": NO_FEATURES})
+    facts["cpu"].update(model="AMD EPYC", signature="family 26 model 2")
+    assert "CPU             AMD EPYC (family 26 model 2)\n" in doctor_text.render(facts)
 
 
 def test_probe_measures_every_dtype():

@@ -42,6 +42,12 @@ def _onednn_line(onednn: dict) -> str:
     return f"{state} (TF_ENABLE_ONEDNN_OPTS {source})"
 
 
+def _cpu_line(cpu):
+    name = cpu["model"] or f"{cpu['system']} {cpu['machine']}"
+    signature = cpu.get("signature")
+    return f"{name} ({signature})" if signature else name
+
+
 def _features_line(cpu: dict) -> str:
     """Return the low-precision CPU features, or why they are unknown."""
     features = cpu["features"]
@@ -127,7 +133,7 @@ def render(facts: dict) -> str:
         ("keras_amp_plus", versions["keras_amp_plus"]),
         ("ITEX", _itex_line(versions["itex"])),
         ("oneDNN", _onednn_line(facts["onednn"])),
-        ("CPU", cpu["model"] or f"{cpu['system']} {cpu['machine']}"),
+        ("CPU", _cpu_line(cpu)),
         ("CPU features", _features_line(cpu)),
         ("Devices", devices or "none"),
         ("XLA in fit", _xla_line(facts["xla"])),

@@ -110,7 +110,8 @@ def _dtype_family(dtype) -> str:
 
     Measuring float16 apart was tried, on an Intel Xeon and on an AMD EPYC
     without AVX512-FP16: its own winners, measured against the formula, ran
-    slower against Keras's layer than bfloat16's did.
+    slower against Keras's layer than bfloat16's did. Where the kernels won
+    bfloat16's race narrowly, float16 reads it as `float16_path` says.
     """
     name = tf.as_dtype(dtype).name
     return "bfloat16" if name in ("bfloat16", "float16") else "float32"
@@ -128,8 +129,9 @@ def measured_path(elements, trailing_statistics, dtype, unknown_batch=False):
 
     Returns:
         `FUSED_KERNELS`, `KERAS_FORMULA` or `BATCH_NORM` from the nearest
-        measured size of the same kind and precision family, or None where
-        nothing measured lies within `NEAREST_OCTAVES`.
+        measured size of the same kind and precision family (read by
+        `float16_path` for float16), or None where nothing measured lies
+        within `NEAREST_OCTAVES`.
 
     Example:
     >>> import os, tempfile
@@ -141,7 +143,37 @@ def measured_path(elements, trailing_statistics, dtype, unknown_batch=False):
     nearest = _nearest_cell(elements, trailing_statistics, dtype, unknown_batch)
     if nearest is None or _octaves_apart(nearest, elements) > NEAREST_OCTAVES:
         return None
+    if tf.as_dtype(dtype) == tf.float16:
+        return float16_path(nearest.get("ratios", {}), nearest["path"])
     return nearest["path"]
+
+
+def float16_path(ratios, path) -> str:
+    """Return the path float16 takes from bfloat16's measurement.
+
+    float16 inputs borrow bfloat16's races (`_dtype_family`), but XLA's
+    float16 code is slower than its bfloat16 code by more than TensorFlow's
+    batch-norm kernel's is: on an Intel Xeon with AVX512-FP16 the kernels
+    ran 1.8-2.0x longer on float16 inputs than on bfloat16 ones, the
+    batch-norm kernel 1.2-1.5x (instance norms of 0.5M to 16.8M elements).
+    So where the kernels won bfloat16's race without beating the batch-norm
+    kernel by `WIN_MARGIN`, float16 takes the batch-norm kernel.
+
+    Args:
+        ratios: the measured cell's CPU time of each path over the formula's.
+        path: the cell's winner.
+
+    Example:
+    >>> ratios = {"keras_formula": 1.0, "fused_kernels": 0.48, "batch_norm": 0.51}
+    >>> float16_path(ratios, "fused_kernels")
+    'batch_norm'
+    >>> float16_path({**ratios, "fused_kernels": 0.3}, "fused_kernels")
+    'fused_kernels'
+    """
+    if path != FUSED_KERNELS or BATCH_NORM not in ratios:
+        return path
+    close = ratios[FUSED_KERNELS] >= WIN_MARGIN * ratios[BATCH_NORM]
+    return BATCH_NORM if close else path
 
 
 def unmeasured_path(elements, trailing_statistics, dtype, batch_norm_applies) -> str:

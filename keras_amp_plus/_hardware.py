@@ -77,9 +77,14 @@ def parse_cpu_model(cpuinfo_text: str) -> str | None:
     >>> parse_cpu_model("model name\t: Intel(R) Xeon(R) Platinum 8480+\n")
     'Intel(R) Xeon(R) Platinum 8480+'
     """
+    return _first_value(cpuinfo_text, "model name")
+
+
+def _first_value(cpuinfo_text: str, key: str) -> str | None:
+    """Return the value of the first `key : value` line for `key`, or None."""
     for line in cpuinfo_text.splitlines():
-        key, separator, value = line.partition(":")
-        if separator and key.strip().lower() == "model name":
+        name, separator, value = line.partition(":")
+        if separator and name.strip().lower() == key:
             return value.strip()
     return None
 
@@ -101,15 +106,11 @@ def parse_cpu_signature(cpuinfo_text: str) -> str | None:
     >>> parse_cpu_signature("Features\t: fp asimd\n") is None
     True
     """
-    found = {}
-    for line in cpuinfo_text.splitlines():
-        key, separator, value = line.partition(":")
-        key = key.strip().lower()
-        if separator and key in ("cpu family", "model") and key not in found:
-            found[key] = value.strip()
-        if len(found) == 2:
-            return f"family {found['cpu family']} model {found['model']}"
-    return None
+    family = _first_value(cpuinfo_text, "cpu family")
+    model = _first_value(cpuinfo_text, "model")
+    if family is None or model is None:
+        return None
+    return f"family {family} model {model}"
 
 
 def low_precision_features(flags: frozenset | None) -> dict | None:

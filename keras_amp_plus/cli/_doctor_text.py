@@ -42,7 +42,8 @@ def _onednn_line(onednn: dict) -> str:
     return f"{state} (TF_ENABLE_ONEDNN_OPTS {source})"
 
 
-def _cpu_line(cpu):
+def _cpu_line(cpu: dict) -> str:
+    """Return the CPU's name, with its family and model where known."""
     name = cpu["model"] or f"{cpu['system']} {cpu['machine']}"
     signature = cpu.get("signature")
     return f"{name} ({signature})" if signature else name

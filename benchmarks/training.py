@@ -18,7 +18,10 @@ Variants, each with `jit_compile` off and on:
 - `full_product`: our layers + `LossScaleOptimizer.guard(Adam)` +
   `AMPMonitor(log_dir)` at its defaults;
 - `ours_fp32` (only with `--variants`): our layers under the float32 policy,
-  what runs on CPUs where bfloat16 is emulated.
+  what runs on CPUs where bfloat16 is emulated;
+- `ours_guard`, `ours_monitor` (only with `--variants`): our layers under
+  `mixed_bfloat16` with only the scaler or only the monitor, which parts the
+  full product's cost over `ours_bf16` comes from.
 
 All variants of a model are built and warmed up first (one `fit` epoch:
 tracing and XLA compilation are not timed), then run `--rounds` rounds, each
@@ -68,8 +71,10 @@ from keras_amp_plus.optimizers import LossScaleOptimizer
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("float32", "keras_bf16", "ours_bf16", "full_product")
-ALL_VARIANTS = (*VARIANTS, "ours_fp32")
-OUR_LAYERS = ("ours_bf16", "full_product", "ours_fp32")
+ALL_VARIANTS = (*VARIANTS, "ours_fp32", "ours_guard", "ours_monitor")
+OUR_LAYERS = ("ours_bf16", "full_product", "ours_fp32", "ours_guard", "ours_monitor")
+GUARDED = ("full_product", "ours_guard")
+MONITORED = ("full_product", "ours_monitor")
 FLOAT32_VARIANTS = ("float32", "ours_fp32")
 CLASSES = 10
 
@@ -169,9 +174,10 @@ class Variant:
             keras.config.set_dtype_policy(previous)
         optimizer = keras.optimizers.Adam(1e-4)
         self.callbacks = []
-        if name == "full_product":
+        if name in GUARDED:
             optimizer = LossScaleOptimizer.guard(optimizer)
-            log_dir = os.path.join(log_root, f"{model_name}_{int(jit)}")
+        if name in MONITORED:
+            log_dir = os.path.join(log_root, f"{model_name}_{name}_{int(jit)}")
             self.callbacks.append(AMPMonitor(log_dir=log_dir))
         self.timer = EpochTimer()
         self.callbacks.append(self.timer)

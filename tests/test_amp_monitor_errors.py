@@ -36,6 +36,43 @@ def test_model_without_optimizer(tmp_path):
         monitor.on_train_begin()
 
 
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__(name="subclassed")
+        self.body = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(1)])
+
+    def call(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [_Subclassed, lambda: keras.Sequential([keras.layers.Dense(1)], name="seq")],
+    ids=["subclassed", "sequential_without_input"],
+)
+def test_unbuilt_model_fails_before_the_first_step(build, tmp_path):
+    # Such a model creates its variables in the first step; the optimizer's
+    # state built before it would cover none of them and the first update
+    # would fail with "Unknown variable" deep inside the step.
+    model = build()
+    model.compile(LossScaleOptimizer(keras.optimizers.Adam()), "mse")
+    with pytest.raises(ValueError, match="needs a built model") as info:
+        fit_one_epoch(model, AMPMonitor(str(tmp_path / "logs")))
+    assert f"Received: model={model.name!r} with built=False" in str(info.value)
+    assert "model(x[:1])" in str(info.value)
+    assert not model.built and not model.optimizer.built
+    assert not (tmp_path / "logs").exists()
+    model(regression_data()[0][:1])  # what the message asks for
+    history = model.fit(
+        *regression_data(),
+        batch_size=16,
+        epochs=1,
+        verbose=0,
+        callbacks=[AMPMonitor(str(tmp_path / "logs"))],
+    )
+    assert np.isfinite(history.history["loss"][-1])
+
+
 @pytest.mark.parametrize(
     ("engine", "error", "match"),
     [

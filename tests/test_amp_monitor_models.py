@@ -61,6 +61,33 @@ def cnn(culprit):
     return keras.Model(inputs, outputs, name="cnn")
 
 
+class SubclassedCNN(keras.Model):
+    """The nested CNN as a subclassed model: its layers are built by a call."""
+
+    def __init__(self):
+        super().__init__(name="subclassed")
+        self.conv = keras.layers.Conv2D(4, 3, padding="same", name="conv")
+        self.backbone = keras.Sequential(
+            [keras.layers.Dense(8, name="pre"), _hot_dense("hot")], name="backbone"
+        )
+        self.ln = keras.layers.LayerNormalization(name="ln")
+        self.pool = keras.layers.AveragePooling2D(2, name="pool")
+        self.gap = keras.layers.GlobalAveragePooling2D(name="gap")
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x):
+        h = self.ln(self.backbone(self.conv(x)))
+        return self.head(self.gap(self.pool(h)))
+
+
+def subclassed_cnn(culprit):
+    """`SubclassedCNN`, built on a batch as AMPMonitor asks (`culprit` unused)."""
+    del culprit
+    model = SubclassedCNN()
+    model(np.zeros((1, 6, 6, 1), "float32"))
+    return model
+
+
 def transformer(culprit):
     """A small transformer block; `culprit` picks where float16 overflows."""
     inputs = keras.Input((4, 8))
@@ -87,6 +114,7 @@ CASES = {
     "cnn-dense": (cnn, "dense", "hot"),
     "cnn-activation": (cnn, "activation", "hot"),
     "cnn-nested": (cnn, "nested", "backbone/hot"),
+    "cnn-subclassed": (subclassed_cnn, "nested", "backbone/hot"),
     "transformer-attention": (transformer, "attention", "attention"),
     "transformer-dense": (transformer, "dense", "hot"),
 }
@@ -94,7 +122,7 @@ CASES = {
 
 def data(build):
     rng = np.random.default_rng(0)
-    shape = (6, 6, 1) if build is cnn else (4, 8)
+    shape = (4, 8) if build is transformer else (6, 6, 1)
     x = rng.normal(size=(SAMPLES, *shape)).astype("float32")
     y = np.tanh(x.reshape(SAMPLES, -1).mean(axis=1, keepdims=True) * 3)
     return x, y.astype("float32")

@@ -79,6 +79,12 @@ class AMPMonitor(keras.callbacks.Callback):
     engine the lists also live in the layers' dtype policies, which
     `model.save` keeps.
 
+    The model must be built before `fit` (as for Keras's `BackupAndRestore`):
+    the scaler's state is created for the model's variables before the first
+    step. Build a subclassed model, or a `Sequential` without an `Input`, by
+    calling it on a batch (`model(x[:1])`); an unbuilt one raises in
+    `on_train_begin`, before any step runs.
+
     Args:
         log_dir: directory for TensorBoard, the JSON-lines file and the state
             file, or None for Python logging only. Defaults to `None`.

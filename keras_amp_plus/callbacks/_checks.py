@@ -107,12 +107,25 @@ def as_lists(lists) -> PrecisionLists:
 
 
 def check_model(model) -> None:
-    """Raise unless `model` was compiled with an optimizer."""
+    """Raise unless `model` was compiled with an optimizer and is built."""
     if getattr(model, "optimizer", None) is None:
         raise ValueError(
             "AMPMonitor needs a model compiled with an optimizer: it reads the "
             "loss scale and overflow records from it. Call `model.compile("
             "optimizer=..., loss=...)` first. Received: optimizer=None"
+        )
+    if not model.built:
+        # A subclassed model (or a Sequential without an `Input`) creates its
+        # variables in the first step; the monitor builds the optimizer's
+        # state for them before that step, as Keras's BackupAndRestore does,
+        # and an optimizer built for no variables fails at the first update.
+        raise ValueError(
+            "AMPMonitor needs a built model: it creates the loss scaler's "
+            "state for the model's variables before the first step, and this "
+            "model has not created its variables yet. Build it before `fit()` "
+            "by calling it on a batch of data (`model(x[:1])`) or with "
+            f"`model.build(input_shape)`. Received: model={model.name!r} with "
+            "built=False"
         )
 
 

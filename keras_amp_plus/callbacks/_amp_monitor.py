@@ -80,10 +80,10 @@ class AMPMonitor(keras.callbacks.Callback):
     `model.save` keeps.
 
     The model must be built before `fit` (as for Keras's `BackupAndRestore`):
-    the scaler's state is created for the model's variables before the first
-    step. Build a subclassed model, or a `Sequential` without an `Input`, by
-    calling it on a batch (`model(x[:1])`); an unbuilt one raises in
-    `on_train_begin`, before any step runs.
+    the optimizer (and the scaler's state) is built for the model's variables
+    before the first step. Build a subclassed model, or a `Sequential` without
+    an `Input`, by calling it on a batch (`model(x[:1])`); an unbuilt one
+    raises in `on_train_begin`, before any step runs.
 
     Args:
         log_dir: directory for TensorBoard, the JSON-lines file and the state

@@ -120,10 +120,10 @@ def check_model(model) -> None:
         # state for them before that step, as Keras's BackupAndRestore does,
         # and an optimizer built for no variables fails at the first update.
         raise ValueError(
-            "AMPMonitor needs a built model: it creates the loss scaler's "
-            "state for the model's variables before the first step, and this "
-            "model has not created its variables yet. Build it before `fit()` "
-            "by calling it on a batch of data (`model(x[:1])`) or with "
+            "AMPMonitor needs a built model: it builds the optimizer (and the "
+            "loss scaler's state) for the model's variables before the first "
+            "step, and this model has not created its variables yet. Build it "
+            "before `fit()` by calling it on a batch of data (`model(x[:1])`) or with "
             f"`model.build(input_shape)`. Received: model={model.name!r} with "
             "built=False"
         )

@@ -1,11 +1,12 @@
 """Time each normalization path against Keras's layer over the layers' grid.
 
-The layers choose among three implementations per shape in a graph step
+The layers choose among implementations per shape in a graph step
 (`keras_amp_plus.layers._path_choice`): the fused XLA kernels, Keras's own
 formula with float32 statistics and, for instance norm, TensorFlow's fused
-batch-norm kernel. `benchmarks/layers.py` times the choice; this script times
-every path on its own (forced with `KERAS_AMP_PLUS_NORMALIZATION_PATH` while
-the step is traced), beside Keras's layer and a second Keras layer (A/A
+batch-norm kernel on the transposed batch or one sample at a time.
+`benchmarks/layers.py` times the choice; this script times every path on
+its own (forced with `KERAS_AMP_PLUS_NORMALIZATION_PATH` while the step is
+traced), beside Keras's layer and a second Keras layer (A/A
 control), in the graph steps of `layers.py` ("graph": the batch size known
 when traced; "tfdata": traced for any batch size), called interleaved, call
 by call in an order shuffled each round, median process CPU time. It is the
@@ -52,6 +53,7 @@ PATHS = {
         _path_choice.KERAS_FORMULA,
         _path_choice.FUSED_KERNELS,
         _path_choice.BATCH_NORM,
+        _path_choice.PER_SAMPLE_BATCH_NORM,
     ),
     "LN": (_path_choice.KERAS_FORMULA, _path_choice.FUSED_KERNELS),
 }

@@ -29,6 +29,7 @@ from keras_amp_plus.layers import (
     _fused_normalization,
     _path_calibration,
     _path_choice,
+    _per_sample_batch_norm,
 )
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -116,7 +117,7 @@ def _measure_by_size(patch, small, large, first_large):
     patch.setattr(
         _path_calibration,
         "measured_path",
-        lambda elements, trailing, dtype, unknown_batch: (
+        lambda elements, trailing, dtype, unknown_batch, unavailable=(): (
             small if elements < first_large else large
         ),
     )
@@ -319,17 +320,22 @@ def _conv_classifier(normalization):
     return keras.Model(images, keras.layers.Dense(2)(x))
 
 
-def test_fit_on_a_dataset_trains_through_the_switch_like_keras(monkeypatch):
+@pytest.mark.parametrize(
+    "large_path", (_path_choice.BATCH_NORM, _path_choice.PER_SAMPLE_BATCH_NORM)
+)
+def test_fit_on_a_dataset_trains_through_the_switch_like_keras(large_path, monkeypatch):
     # `fit` on a tf.data pipeline with a partial last batch traces one step
     # for any batch size: full batches take one path, the last another, and
     # the weights after an epoch are those Keras's layer trains to.
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
-    formula, batch_norm = _path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM
-    _measure_by_size(monkeypatch, formula, batch_norm, 3 * 36 * 8)
+    # These samples are small: let the per-sample loop take them.
+    monkeypatch.setattr(_per_sample_batch_norm, "MIN_SAMPLE_ELEMENTS", 1)
+    formula = _path_choice.KERAS_FORMULA
+    _measure_by_size(monkeypatch, formula, large_path, 3 * 36 * 8)
     ran = []
     fused = _fused_normalization
     for table in (fused._FORWARD_BY_PATH, fused._BACKWARD_BY_PATH):
-        for path in (_path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM):
+        for path in (formula, large_path):
             monkeypatch.setitem(table, path, _counting(table[path], ran, path))
     use_policy("float32")
     rng = np.random.default_rng(0)
@@ -348,7 +354,7 @@ def test_fit_on_a_dataset_trains_through_the_switch_like_keras(monkeypatch):
         )
         model.fit(data, epochs=2, verbose=0)
     # Forward and backward: two full batches an epoch, then the partial one.
-    assert ran.count(_path_choice.BATCH_NORM) == 2 * 4
+    assert ran.count(large_path) == 2 * 4
     assert ran.count(_path_choice.KERAS_FORMULA) == 2 * 2
     ours, theirs = (model.get_weights() for model in models)
     assert not np.allclose(ours[0], initial[0])
@@ -410,7 +416,7 @@ def test_paths_by_batch_size_are_one_path_where_the_size_is_known(monkeypatch):
     monkeypatch.setattr(
         _path_calibration,
         "measured_path",
-        lambda elements, trailing, dtype, unknown_batch: (
+        lambda elements, trailing, dtype, unknown_batch, unavailable=(): (
             ("a" if elements < 100 else "b") + ("?" if unknown_batch else "")
         ),
     )

@@ -20,8 +20,9 @@ row-reduction loop; other sums are reductions, or products from
 One-pass statistics (E[x^2] - E[x]^2) fail on N(1000, 1) inputs, so the mean is
 subtracted before the variance is taken, and both are taken of the input minus
 each row's first element (see `_normalize_forward`). Where these kernels do not beat
-Keras's layers, `fused_normalize` runs Keras's formula instead
-(`_path_choice` decides; `benchmarks/layers.py` measures both).
+Keras's layers, `fused_normalize` runs Keras's formula or, for instance norm,
+TensorFlow's batch-norm kernel instead (`_path_choice` decides;
+`benchmarks/layers.py` measures them).
 """
 
 import tensorflow as tf
@@ -33,6 +34,7 @@ from keras_amp_plus.layers import (
     _feature_rows,
     _keras_formula,
     _path_choice,
+    _per_sample_batch_norm,
     _row_buckets,
 )
 
@@ -195,8 +197,9 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
 
     trailing = stat_axes == tuple(range(x.shape.rank - len(stat_axes), x.shape.rank))
     batch_norm_applies = _batch_norm_formula.applies(x, gamma, epsilon, stat_axes)
+    per_sample_applies = _per_sample_batch_norm.applies(x, gamma, epsilon, stat_axes)
     paths = _path_choice.paths_by_batch_size(
-        x.shape, trailing, x.dtype, batch_norm_applies
+        x.shape, trailing, x.dtype, batch_norm_applies, per_sample_applies
     )
     if len(paths) == 1:
         normalize = _NORMALIZE_BY_PATH[paths[0][1]]
@@ -317,14 +320,17 @@ _NORMALIZE_BY_PATH = {
     _path_choice.BATCH_NORM: _batch_norm_formula.batch_norm_normalize,
     _path_choice.KERAS_FORMULA: _keras_formula.keras_formula_normalize,
     _path_choice.FUSED_KERNELS: kernels_normalize,
+    _path_choice.PER_SAMPLE_BATCH_NORM: _per_sample_batch_norm.per_sample_normalize,
 }
 _FORWARD_BY_PATH = {
     _path_choice.BATCH_NORM: _batch_norm_formula.batch_norm_forward,
     _path_choice.KERAS_FORMULA: _keras_formula.formula_forward,
     _path_choice.FUSED_KERNELS: kernels_forward,
+    _path_choice.PER_SAMPLE_BATCH_NORM: _per_sample_batch_norm.per_sample_forward,
 }
 _BACKWARD_BY_PATH = {
     _path_choice.BATCH_NORM: _batch_norm_formula.batch_norm_backward,
     _path_choice.KERAS_FORMULA: _keras_formula.formula_backward,
     _path_choice.FUSED_KERNELS: kernels_backward,
+    _path_choice.PER_SAMPLE_BATCH_NORM: _per_sample_batch_norm.per_sample_backward,
 }

@@ -4,7 +4,8 @@ In a graph step (no XLA around the model) the fused kernels and Keras's
 formula race per shape, and which one wins below the matrix-product size
 depends on the CPU (its vector width, whether TensorFlow turns oneDNN on) and
 on TensorFlow's kernels. `measure_paths` times them (for middle axes also
-TensorFlow's fused batch-norm kernel, `_batch_norm_formula`) on a few sizes per kind
+TensorFlow's fused batch-norm kernel, on the whole batch (`_batch_norm_formula`)
+and, for large samples, per sample (`_per_sample_batch_norm`)) on a few sizes per kind
 of statistics (trailing axes: layer norm; middle axes: instance norm) and
 input precision, forward + backward, interleaved, medians of process CPU
 time, and writes the winners to a JSON file in
@@ -34,6 +35,7 @@ from keras_amp_plus import _compat, _hardware
 FUSED_KERNELS = "fused_kernels"
 KERAS_FORMULA = "keras_formula"
 BATCH_NORM = "batch_norm"
+PER_SAMPLE_BATCH_NORM = "per_sample_batch_norm"
 
 # Shapes timed, smallest first. Trailing axes: below the matrix-product size,
 # where the answer differs between CPUs (above it the kernels won everywhere
@@ -62,7 +64,7 @@ BATCH_NORM_SAFE_MIN_ELEMENTS = 2**22
 NEAREST_OCTAVES = 2.0
 # Part of the cache key: raise it whenever a raced implementation changes, so
 # that winners measured on the earlier code are measured again, not reused.
-PATHS_REVISION = 7
+PATHS_REVISION = 9
 
 
 @functools.cache
@@ -117,7 +119,9 @@ def _dtype_family(dtype) -> str:
     return "bfloat16" if name in ("bfloat16", "float16") else "float32"
 
 
-def measured_path(elements, trailing_statistics, dtype, unknown_batch=False):
+def measured_path(
+    elements, trailing_statistics, dtype, unknown_batch=False, unavailable=()
+):
     """Return the measured faster path for such an input, or None.
 
     Args:
@@ -126,12 +130,15 @@ def measured_path(elements, trailing_statistics, dtype, unknown_batch=False):
         dtype: the input's dtype.
         unknown_batch: whether the step was traced for any batch size (then
             the winners measured in such steps apply). Defaults to `False`.
+        unavailable: paths this input cannot take. Where the nearest
+            measurement's winner is one of them, the winner among the paths
+            it raced that remain (`winner`). Defaults to `()`.
 
     Returns:
-        `FUSED_KERNELS`, `KERAS_FORMULA` or `BATCH_NORM` from the nearest
-        measured size of the same kind and precision family (read by
-        `float16_path` for float16), or None where nothing measured lies
-        within `NEAREST_OCTAVES`.
+        A path from the nearest measured size of the same kind and
+        precision family (read by `float16_path` for float16), or None
+        where nothing measured lies within `NEAREST_OCTAVES` (or the winner
+        is unavailable and the cell has no times to choose another by).
 
     Example:
     >>> import os, tempfile
@@ -143,9 +150,25 @@ def measured_path(elements, trailing_statistics, dtype, unknown_batch=False):
     nearest = _nearest_cell(elements, trailing_statistics, dtype, unknown_batch)
     if nearest is None or _octaves_apart(nearest, elements) > NEAREST_OCTAVES:
         return None
+    path, ratios = nearest["path"], nearest.get("ratios", {})
+    if path in unavailable:
+        path = _winner_among(ratios, unavailable, nearest)
+        if path is None:
+            return None
     if tf.as_dtype(dtype) == tf.float16:
-        return float16_path(nearest.get("ratios", {}), nearest["path"])
-    return nearest["path"]
+        return float16_path(ratios, path)
+    return path
+
+
+def _winner_among(ratios, unavailable, cell):
+    """Return the winner of `cell`'s race without the `unavailable` paths."""
+    remaining = {name: r for name, r in ratios.items() if name not in unavailable}
+    if KERAS_FORMULA not in remaining:
+        return None  # a hand-written cell without times
+    unknown_batch = cell.get("unknown_batch", False)
+    batch_norm = BATCH_NORM in remaining
+    safe = safe_path(unknown_batch, cell["trailing"], cell["elements"], batch_norm)
+    return winner(remaining, safe if safe in remaining else KERAS_FORMULA)
 
 
 def float16_path(ratios, path) -> str:
@@ -368,6 +391,7 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
         _batch_norm_formula,
         _fused_normalization,
         _keras_formula,
+        _per_sample_batch_norm,
     )
 
     paths = {
@@ -375,6 +399,7 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
         FUSED_KERNELS: _fused_normalization.kernels_normalize,
     }
     middle_paths = {**paths, BATCH_NORM: _batch_norm_formula.batch_norm_normalize}
+    per_sample = _per_sample_batch_norm.per_sample_normalize
     deadline = time.monotonic() + seconds
     cells = []
     for shapes, racing in ((TRAILING_SHAPES, paths), (MIDDLE_SHAPES, middle_paths)):
@@ -383,14 +408,16 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
         ):
             if time.monotonic() >= deadline:
                 break
+            raced = dict(racing)
+            if _per_sample_applies(shape, dtype, unknown_batch):
+                raced[PER_SAMPLE_BATCH_NORM] = per_sample
             steps = {
-                name: _step(f, shape, dtype, unknown_batch)
-                for name, f in racing.items()
+                name: _step(f, shape, dtype, unknown_batch) for name, f in raced.items()
             }
             medians = _time_pair(steps, reps)
             ratios = {name: t / medians[KERAS_FORMULA] for name, t in medians.items()}
             trailing, elements = len(shape) == 2, math.prod(shape)
-            safe = safe_path(unknown_batch, trailing, elements, BATCH_NORM in racing)
+            safe = safe_path(unknown_batch, trailing, elements, BATCH_NORM in raced)
             cells.append(
                 {
                     "trailing": trailing,
@@ -405,6 +432,17 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
     path = cache_path()
     _write(path, cells)
     return {"path": path, "cells": cells}
+
+
+def _per_sample_applies(shape, dtype, unknown_batch):
+    """Return True where the per-sample batch norm can take a raced cell."""
+    from keras_amp_plus.layers import _per_sample_batch_norm
+
+    if len(shape) == 2:
+        return False
+    x = tf.TensorSpec((None, *shape[1:]) if unknown_batch else shape, dtype)
+    gamma = tf.TensorSpec([1, 1, 1, shape[-1]], tf.float32)
+    return _per_sample_batch_norm.applies(x, gamma, 1e-3, (1, 2))
 
 
 def _write(path, cells):

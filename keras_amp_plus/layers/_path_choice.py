@@ -3,7 +3,9 @@
 Three implementations compute the same result with float32 statistics: the
 fused XLA kernels (`_fused_normalization`), Keras's own formula
 (`_keras_formula`) and, for instance norm, TensorFlow's fused batch-norm
-kernel (`_batch_norm_formula`). Which one is faster depends on where the layer runs, on
+kernel, on the whole batch transposed (`_batch_norm_formula`) or, for large
+samples of a known batch size, per sample (`_per_sample_batch_norm`, a fourth
+path). Which one is faster depends on where the layer runs, on
 the shape and on the CPU, as measured by `benchmarks/layers.py` on each kind
 of machine:
 
@@ -21,15 +23,16 @@ of machine:
   `DOT_SUM_MIN_ELEMENTS` on, the kernels; below it, for statistics over
   trailing axes (layer norm), the kernels; for statistics over middle
   axes (instance norm, channels last), TensorFlow's fused batch-norm kernel
-  (`_batch_norm_formula`) from `BATCH_NORM_MIN_ELEMENTS` on and Keras's
-  formula below; with TensorFlow's oneDNN kernels off, float32 instance
+  from `BATCH_NORM_MIN_ELEMENTS` on (per sample where that applies) and
+  Keras's formula below; with TensorFlow's oneDNN kernels off, float32 instance
   norms always run Keras's formula (it won every race there).
 - In a graph step traced with an unknown batch size (as `fit` traces a
   `tf.data` pipeline without `drop_remainder`, or a partial last batch), the
   winner measured in steps traced that way for each batch size
   (`paths_by_batch_size`), switched at run time; there the kernels are the
   safe side (`_path_calibration.safe_path`; Keras's formula for small
-  instance norms, TensorFlow's batch-norm kernel for large ones) and run
+  instance norms, TensorFlow's batch-norm kernel for large ones, per sample
+  where that applies) and run
   where nothing was measured (unless the nearest measurement timed it slower
   than Keras's formula: then the formula; and float32 instance norms with
   oneDNN off run the formula, as in steps of a known batch size), or where
@@ -49,8 +52,10 @@ of machine:
   leaves XLA-compiled functions alone.
 
 `KERAS_AMP_PLUS_NORMALIZATION_PATH` (`auto`, the default, `fused_kernels`,
-`keras_formula` or `batch_norm`), read when a function is traced, overrides
-the choice (`batch_norm` where it applies outside XLA, else the kernels).
+`keras_formula`, `batch_norm` or `per_sample_batch_norm`), read when a
+function is traced, overrides the choice (`per_sample_batch_norm` where it
+applies outside XLA, else as `batch_norm`; `batch_norm` where it applies
+outside XLA, else the kernels).
 """
 
 import functools
@@ -64,12 +69,16 @@ from keras_amp_plus.layers import _path_calibration
 FUSED_KERNELS = _path_calibration.FUSED_KERNELS
 KERAS_FORMULA = _path_calibration.KERAS_FORMULA
 BATCH_NORM = _path_calibration.BATCH_NORM
-_PATHS = (FUSED_KERNELS, KERAS_FORMULA, BATCH_NORM)
+PER_SAMPLE_BATCH_NORM = _path_calibration.PER_SAMPLE_BATCH_NORM
+_PATHS = (FUSED_KERNELS, KERAS_FORMULA, BATCH_NORM, PER_SAMPLE_BATCH_NORM)
 
 # Without a measurement, instance norm (in a graph step, below the dot size)
 # runs TensorFlow's batch-norm kernel from these sizes on: half-width inputs
 # (bfloat16, float16) and float32 inputs (float32 with oneDNN on only).
 BATCH_NORM_MIN_ELEMENTS = {"half": 2**18, "float32": 2**21}
+# ... and per sample from this size on, where that applies: below it the
+# transposed layout was as fast or faster (samples of 2**17 elements).
+PER_SAMPLE_MIN_ELEMENTS = 2**21
 PATH_VARIABLE = "KERAS_AMP_PLUS_NORMALIZATION_PATH"
 
 # From this many elements on, the kernels' sums over middle axes are matrix
@@ -99,17 +108,22 @@ def _forced_path():
     if value not in _PATHS:
         raise ValueError(
             f"`{PATH_VARIABLE}` must be 'auto', '{FUSED_KERNELS}', "
-            f"'{KERAS_FORMULA}' or '{BATCH_NORM}' (instance norm, channels "
-            "last). Unset it to let the layers choose. "
+            f"'{KERAS_FORMULA}', '{BATCH_NORM}' or '{PER_SAMPLE_BATCH_NORM}' "
+            "(the last two: instance norm, channels last). Unset it to let the "
+            "layers choose. "
             f"Received: {PATH_VARIABLE}={value!r}"
         )
     return value
 
 
 def normalization_path(
-    elements, trailing_statistics=True, dtype="float32", batch_norm_applies=False
+    elements,
+    trailing_statistics=True,
+    dtype="float32",
+    batch_norm_applies=False,
+    per_sample_applies=False,
 ) -> str:
-    """Return `FUSED_KERNELS`, `KERAS_FORMULA` or `BATCH_NORM` for an input.
+    """Return the path (`FUSED_KERNELS`, `KERAS_FORMULA`, ...) of an input.
 
     Args:
         elements: the input's number of elements, or None when unknown at
@@ -121,6 +135,9 @@ def normalization_path(
             `"float32"`.
         batch_norm_applies: whether the input can take `BATCH_NORM`
             (`_batch_norm_formula.applies`). Defaults to `False`.
+        per_sample_applies: whether the input can take
+            `PER_SAMPLE_BATCH_NORM` (`_per_sample_batch_norm.applies`).
+            Defaults to `False`.
 
     Returns:
         The implementation to run, chosen as the module docstring says.
@@ -129,16 +146,28 @@ def normalization_path(
     >>> normalization_path(None)
     'fused_kernels'
     """
-    fixed = _path_without_size(elements, trailing_statistics, batch_norm_applies)
+    fixed = _path_without_size(
+        elements, trailing_statistics, batch_norm_applies, per_sample_applies
+    )
     if fixed is not None:
         return fixed
     if elements is None:  # variable lengths: the kernels, in row buckets
         return FUSED_KERNELS
-    return _graph_step_path(elements, trailing_statistics, dtype, batch_norm_applies)
+    return _graph_step_path(
+        elements,
+        trailing_statistics,
+        dtype,
+        batch_norm_applies,
+        per_sample_applies=per_sample_applies,
+    )
 
 
 def paths_by_batch_size(
-    shape, trailing_statistics=True, dtype="float32", batch_norm_applies=False
+    shape,
+    trailing_statistics=True,
+    dtype="float32",
+    batch_norm_applies=False,
+    per_sample_applies=False,
 ) -> tuple:
     """Return the path for each range of batch sizes of inputs of `shape`.
 
@@ -155,6 +184,8 @@ def paths_by_batch_size(
         trailing_statistics: as in `normalization_path`. Defaults to `True`.
         dtype: as in `normalization_path`. Defaults to `"float32"`.
         batch_norm_applies: as in `normalization_path`. Defaults to `False`.
+        per_sample_applies: as in `normalization_path`. Defaults to
+            `False`.
 
     Returns:
         A tuple of `(first batch size, path)` pairs, by increasing batch size,
@@ -169,16 +200,23 @@ def paths_by_batch_size(
     if shape.num_elements() is not None or not sample:
         elements = shape.num_elements()
         path = normalization_path(
-            elements, trailing_statistics, dtype, batch_norm_applies
+            elements, trailing_statistics, dtype, batch_norm_applies, per_sample_applies
         )
         return ((1, path),)
-    fixed = _path_without_size(None, trailing_statistics, batch_norm_applies)
+    fixed = _path_without_size(
+        None, trailing_statistics, batch_norm_applies, per_sample_applies
+    )
     if fixed is not None:
         return ((1, fixed),)
     runs = []
     for batch in _batch_size_grid():
         path = _graph_step_path(
-            batch * sample, trailing_statistics, dtype, batch_norm_applies, True
+            batch * sample,
+            trailing_statistics,
+            dtype,
+            batch_norm_applies,
+            unknown_batch=True,
+            per_sample_applies=per_sample_applies,
         )
         if not runs or runs[-1][1] != path:
             runs.append((batch, path))
@@ -218,7 +256,9 @@ def cpu_has_float16_arithmetic() -> bool | None:
     return _hardware.has_any(features, _hardware.FLOAT16_FLAGS)
 
 
-def _path_without_size(elements, trailing_statistics, batch_norm_applies):
+def _path_without_size(
+    elements, trailing_statistics, batch_norm_applies, per_sample_applies=False
+):
     """Return the path where the input's size does not decide it, else None.
 
     That is a forced path, any step inside XLA, a large layer norm, eager
@@ -226,6 +266,8 @@ def _path_without_size(elements, trailing_statistics, batch_norm_applies):
     """
     forced = _forced_path()
     in_xla = _compat.in_xla_compiled_function()
+    if forced == PER_SAMPLE_BATCH_NORM and (in_xla or not per_sample_applies):
+        forced = BATCH_NORM
     # XLA's lowering of the batch-norm kernel on the reshaped (sample,
     # channel) layout gave wrong results: never inside XLA.
     if forced == BATCH_NORM and (in_xla or not batch_norm_applies):
@@ -243,7 +285,12 @@ def _path_without_size(elements, trailing_statistics, batch_norm_applies):
 
 
 def _graph_step_path(
-    elements, trailing_statistics, dtype, batch_norm_applies, unknown_batch=False
+    elements,
+    trailing_statistics,
+    dtype,
+    batch_norm_applies,
+    unknown_batch=False,
+    per_sample_applies=False,
 ):
     """Return the path of a graph step for an input of `elements` elements.
 
@@ -253,10 +300,12 @@ def _graph_step_path(
     large = elements >= DOT_SUM_MIN_ELEMENTS
     if large and trailing_statistics:
         return FUSED_KERNELS
+    applies = (batch_norm_applies, per_sample_applies)
     if not trailing_statistics and _float16_without_float16_arithmetic(dtype):
-        return _batch_norm_or_formula(elements, batch_norm_applies, "half")
+        return _batch_norm_or_formula(elements, *applies, "half")
+    unavailable = () if per_sample_applies else (PER_SAMPLE_BATCH_NORM,)
     measured = _path_calibration.measured_path(
-        elements, trailing_statistics, dtype, unknown_batch
+        elements, trailing_statistics, dtype, unknown_batch, unavailable=unavailable
     )
     if measured == BATCH_NORM and not batch_norm_applies:
         measured = None
@@ -267,17 +316,28 @@ def _graph_step_path(
         # there in every race, in both kinds of step.
         return KERAS_FORMULA
     if unknown_batch:  # the safe side of such steps' measurements
-        return _path_calibration.unmeasured_path(
+        path = _path_calibration.unmeasured_path(
             elements, trailing_statistics, dtype, batch_norm_applies
         )
+        # The batch-norm kernel's side (from 2**22 elements): per sample, a
+        # loop, beat the transposed batch there in every dtype measured.
+        return PER_SAMPLE_BATCH_NORM if path == BATCH_NORM and applies[1] else path
+    if large and per_sample_applies:  # it beat the kernels there, oneDNN on and off
+        return PER_SAMPLE_BATCH_NORM
     if large or trailing_statistics:
         return FUSED_KERNELS
     width = "float32" if tf.as_dtype(dtype).size >= 4 else "half"
-    return _batch_norm_or_formula(elements, batch_norm_applies, width)
+    return _batch_norm_or_formula(elements, *applies, width)
 
 
-def _batch_norm_or_formula(elements, batch_norm_applies, width):
-    """Return `BATCH_NORM` from `BATCH_NORM_MIN_ELEMENTS[width]` on, else formula."""
-    if batch_norm_applies and elements >= BATCH_NORM_MIN_ELEMENTS[width]:
-        return BATCH_NORM
-    return KERAS_FORMULA
+def _batch_norm_or_formula(elements, batch_norm_applies, per_sample_applies, width):
+    """Return the batch-norm kernel from `BATCH_NORM_MIN_ELEMENTS[width]` on.
+
+    Per sample from `PER_SAMPLE_MIN_ELEMENTS` on where that applies, else
+    on the whole batch; Keras's formula below that size.
+    """
+    if not batch_norm_applies or elements < BATCH_NORM_MIN_ELEMENTS[width]:
+        return KERAS_FORMULA
+    if per_sample_applies and elements >= PER_SAMPLE_MIN_ELEMENTS:
+        return PER_SAMPLE_BATCH_NORM
+    return BATCH_NORM

@@ -18,7 +18,8 @@ The header names the CPU; the JSON written to `benchmarks/results/` (named per
 CPU kind) carries it with every cell.
 
 Usage: python benchmarks/paths.py [--layers IN LN] [--policies ...]
-    [--steps graph tfdata] [--reps N] [--quick] [--output PATH]
+    [--steps graph tfdata] [--reps N] [--quick] [--shapes 8x64x64x64 ...]
+    [--output PATH]
 """
 
 import argparse
@@ -133,8 +134,22 @@ def parse_args():
     parser.add_argument(
         "--sequence", type=int, default=128, help="as in benchmarks/layers.py"
     )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        help="only these grid shapes, e.g. 8x64x64x64 (default: the grid)",
+    )
     parser.add_argument("--output", type=pathlib.Path, default=None)
     return parser.parse_args()
+
+
+def chosen_shapes(grid, kind, shapes):
+    """Return the grid's shapes of `kind`, only those named in `shapes` if given."""
+    if shapes is None:
+        return grid[kind]
+    named = {tuple(int(n) for n in shape.split("x")) for shape in shapes}
+    return [shape for shape in grid[kind] if tuple(shape) in named]
 
 
 def print_row(row):
@@ -158,7 +173,7 @@ def main():
     print(f"\n{'layer':<4} {'shape':<20} {'policy':<15} {'step':<7} {'keras ms':>8}")
     rows = []
     for kind in args.layers:
-        for shape in grid[kind]:
+        for shape in chosen_shapes(grid, kind, args.shapes):
             for policy in args.policies:
                 for step_kind in args.steps:
                     row = time_cell(

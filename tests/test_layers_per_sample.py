@@ -284,25 +284,6 @@ def test_measure_paths_races_per_sample_where_it_applies(monkeypatch):
     assert raced == {False: four, True: four}
 
 
-def _unknown_batch_choice(sample_shape, dtype="bfloat16"):
-    """Return the paths by batch size of an instance norm traced for any batch."""
-    x = tf.TensorSpec((None, *sample_shape), dtype)
-    gamma = tf.TensorSpec((1, 1, 1, sample_shape[-1]), tf.float32)
-    applies = (
-        _batch_norm_formula.applies(x, gamma, 1e-3, (1, 2)),
-        _per_sample_batch_norm.applies(x, gamma, 1e-3, (1, 2)),
-    )
-    taken = []
-
-    @tf.function
-    def step():
-        taken.append(_path_choice.paths_by_batch_size(x.shape, False, dtype, *applies))
-        return 0
-
-    step()
-    return taken[0]
-
-
 def test_unmeasured_any_batch_takes_the_loop_where_the_batch_norm_kernel_was(
     monkeypatch,
 ):
@@ -310,11 +291,59 @@ def test_unmeasured_any_batch_takes_the_loop_where_the_batch_norm_kernel_was(
     # side of such steps (from 2**22 elements) runs per sample, in a loop.
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
-    first_batch_norm = 2**22 // (64 * 64 * 64)
-    runs = _unknown_batch_choice((64, 64, 64))
+    first_batch_norm = 2**22 // (64 * 64 * 32)
+    runs = _paths((None, 64, 64, 32), "bfloat16")
     assert runs[-1] == (first_batch_norm, PER_SAMPLE)
     assert PER_SAMPLE not in [path for _, path in runs[:-1]]
     # Samples too small for it: the batch-norm kernel on the transposed batch.
-    runs = _unknown_batch_choice((32, 32, 64))
+    runs = _paths((None, 32, 32, 64), "bfloat16")
     assert runs[-1][1] == _path_choice.BATCH_NORM
     assert PER_SAMPLE not in [path for _, path in runs]
+
+
+@pytest.mark.parametrize("any_batch", (False, True), ids=("its batch", "any batch"))
+def test_large_samples_run_per_sample_whatever_was_measured(any_batch, monkeypatch):
+    # The measured cells have at most 2**17 elements per sample, where the
+    # race is close; larger samples run per sample, measured or not.
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    kernels = _path_choice.FUSED_KERNELS
+    cell = {"trailing": False, "path": kernels, "unknown_batch": any_batch}
+    cells = [
+        {**cell, "elements": 2**e, "dtype": d, "ratios": {"keras_formula": 1.0}}
+        for e in (20, 22, 24)
+        for d in ("bfloat16", "float32")
+    ]
+    _write_measurements(cells)
+    large = _path_choice.LARGE_SAMPLE_ELEMENTS
+    batch = None if any_batch else 8
+    for dtype in ("bfloat16", "float16", "float32"):
+        assert _paths((batch, large // 64, 64), dtype) == ((1, PER_SAMPLE),)
+    for dtype in ("bfloat16", "float32"):  # float16 may follow its own rule
+        # Half that size: the measurement (where one lies near).
+        assert _paths((batch, large // 128, 64), dtype)[0] == (1, kernels)
+    # A forced path and XLA still decide.
+    monkeypatch.setenv(_path_choice.PATH_VARIABLE, kernels)
+    assert _paths((batch, large // 64, 64), "bfloat16") == ((1, kernels),)
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE)
+    xla = _paths((batch, large // 64, 64), "bfloat16", jit_compile=True)
+    assert xla == ((1, _path_choice.KERAS_FORMULA),)
+
+
+def _paths(shape, dtype, jit_compile=False):
+    """Return `paths_by_batch_size` of an instance norm of `shape`, in a step."""
+    x = tf.TensorSpec(shape, dtype)
+    gamma = tf.TensorSpec((1,) * (len(shape) - 1) + (shape[-1],), tf.float32)
+    stat_axes = tuple(range(1, len(shape) - 1))
+    applies = (
+        _batch_norm_formula.applies(x, gamma, 1e-3, stat_axes),
+        _per_sample_batch_norm.applies(x, gamma, 1e-3, stat_axes),
+    )
+    taken = []
+
+    @tf.function(jit_compile=jit_compile)
+    def step():
+        taken.append(_path_choice.paths_by_batch_size(x.shape, False, dtype, *applies))
+        return 0
+
+    step()
+    return taken[0]

@@ -1,13 +1,12 @@
 """Which implementation a normalization runs at a shape, on this CPU.
 
-Three implementations compute the same result with float32 statistics: the
+Three implementations (four paths) compute the same result with float32 statistics: the
 fused XLA kernels (`_fused_normalization`), Keras's own formula
 (`_keras_formula`) and, for instance norm, TensorFlow's fused batch-norm
 kernel, on the whole batch transposed (`_batch_norm_formula`) or, for large
-samples of a known batch size, per sample (`_per_sample_batch_norm`, a fourth
-path). Which one is faster depends on where the layer runs, on
-the shape and on the CPU, as measured by `benchmarks/layers.py` on each kind
-of machine:
+samples, per sample (`_per_sample_batch_norm`, a fourth path). Which one is
+faster depends on where the layer runs, on the shape and on the CPU, as
+measured by `benchmarks/layers.py` on each kind of machine:
 
 - In a step XLA compiles whole (`jit_compile=True`), XLA fuses Keras's
   formula with its neighbours, and the kernels' functions are only inlined
@@ -26,6 +25,8 @@ of machine:
   from `BATCH_NORM_MIN_ELEMENTS` on (per sample where that applies) and
   Keras's formula below; with TensorFlow's oneDNN kernels off, float32 instance
   norms always run Keras's formula (it won every race there).
+- Instance norms of samples of `LARGE_SAMPLE_ELEMENTS` or more, in either
+  kind of graph step, run per sample, measured or not.
 - In a graph step traced with an unknown batch size (as `fit` traces a
   `tf.data` pipeline without `drop_remainder`, or a partial last batch), the
   winner measured in steps traced that way for each batch size
@@ -79,6 +80,13 @@ BATCH_NORM_MIN_ELEMENTS = {"half": 2**18, "float32": 2**21}
 # ... and per sample from this size on, where that applies: below it the
 # transposed layout was as fast or faster (samples of 2**17 elements).
 PER_SAMPLE_MIN_ELEMENTS = 2**21
+# Samples this large take the per-sample path whatever the measurements of
+# inputs of their total size say: at 2**18 and 2**19 elements per sample it
+# ran at most 0.83x the next best path's time (graph and tf.data steps, all
+# three dtypes, oneDNN on and off; `benchmarks/paths.py`), and the measured
+# cells, of up to 2**17 elements per sample where the race is close, said
+# nothing about them.
+LARGE_SAMPLE_ELEMENTS = 2**18
 PATH_VARIABLE = "KERAS_AMP_PLUS_NORMALIZATION_PATH"
 
 # From this many elements on, the kernels' sums over middle axes are matrix
@@ -197,6 +205,11 @@ def paths_by_batch_size(
     """
     shape = tf.TensorShape(shape)
     sample = tf.TensorShape(shape[1:]).num_elements() if shape.rank else None
+    if per_sample_applies and sample >= LARGE_SAMPLE_ELEMENTS:
+        fixed = _path_without_size(
+            shape.num_elements(), trailing_statistics, True, per_sample_applies
+        )
+        return ((1, fixed or PER_SAMPLE_BATCH_NORM),)
     if shape.num_elements() is not None or not sample:
         elements = shape.num_elements()
         path = normalization_path(

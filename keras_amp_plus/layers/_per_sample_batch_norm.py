@@ -21,7 +21,7 @@ import math
 
 import tensorflow as tf
 
-from keras_amp_plus.layers import _batch_norm_formula
+from keras_amp_plus.layers import _batch_norm_formula, _saved_gradient
 
 # Below this many elements per sample the two kernel calls per sample cost
 # more than the transposes they save: on an AMD EPYC (Zen 5), oneDNN on and
@@ -69,19 +69,16 @@ def per_sample_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     >>> [round(float(v), 2) for v in tf.reshape(out, [-1])]
     [-1.0, 1.0]
     """
-
-    @tf.custom_gradient
-    def normalize(x, gamma, beta):
-        outputs, saved = per_sample_forward(
-            x, gamma, beta, epsilon, stat_axes, output_dtype
-        )
-
-        def grad(upstream):
-            return per_sample_backward(upstream, x, gamma, saved, epsilon, stat_axes)
-
-        return outputs, grad
-
-    return normalize(x, gamma, beta)
+    return _saved_gradient.normalize_with(
+        per_sample_forward,
+        per_sample_backward,
+        x,
+        gamma,
+        beta,
+        epsilon,
+        stat_axes,
+        output_dtype,
+    )
 
 
 def per_sample_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):

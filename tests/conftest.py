@@ -393,6 +393,12 @@ ROUNDING = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 FLOAT32_SLOP = 2.0**-20
 
 
+@pytest.fixture
+def empty_path_cache(tmp_path, monkeypatch):
+    """No measured paths unless a test writes them (the user's cache is not read)."""
+    monkeypatch.setenv("KERAS_AMP_PLUS_CACHE_DIR", str(tmp_path))
+
+
 def use_policy(name):
     keras.config.set_dtype_policy(name)
     return keras.config.dtype_policy()

@@ -33,11 +33,7 @@ from keras_amp_plus.layers import (
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 PER_SAMPLE = _path_choice.PER_SAMPLE_BATCH_NORM
 
-
-@pytest.fixture(autouse=True)
-def _empty_cache_dir(tmp_path, monkeypatch):
-    """No measured paths unless a test writes them (the user's cache is not read)."""
-    monkeypatch.setenv("KERAS_AMP_PLUS_CACHE_DIR", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("empty_path_cache")
 
 
 class _GraphStep:

@@ -13,7 +13,11 @@ from conftest import swish_reference
 
 import keras_amp_plus as kap
 from keras_amp_plus import _compat, _itex_probe
-from keras_amp_plus.layers import _swish_activation
+from keras_amp_plus.layers import (
+    _path_choice,
+    _per_sample_batch_norm,
+    _swish_activation,
+)
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 # One rounding of the output per dtype, plus float32 arithmetic slop relative to
@@ -151,8 +155,15 @@ def test_half_precision_takes_itex_kernel_where_the_probe_found_it_runs(dtype):
         assert norm.get_attr("U") == tf.float32  # statistics and gamma/beta
 
 
+@pytest.mark.parametrize("step", ("eager", "per_sample", "per_sample_any_batch"))
 @pytest.mark.parametrize("policy", POLICIES)
-def test_instance_normalization_matches_float64(policy):
+def test_instance_normalization_matches_float64(policy, step, monkeypatch):
+    # Per sample: TensorFlow's batch-norm kernel once per sample in a graph
+    # step, unrolled for a known batch size, a while loop for any.
+    if step != "eager":
+        path = _path_choice.PER_SAMPLE_BATCH_NORM
+        monkeypatch.setenv(_path_choice.PATH_VARIABLE, path)
+        monkeypatch.setattr(_per_sample_batch_norm, "MIN_SAMPLE_ELEMENTS", 1)
     x, upstream = inputs((2, 6, 5, 8), 10.0)
     layer = kap.layers.InstanceNormalization(dtype=policy)
     layer.build(x.shape)
@@ -160,7 +171,19 @@ def test_instance_normalization_matches_float64(policy):
     gamma, beta = (
         w.numpy().astype("float64").reshape(1, 1, 1, -1) for w in layer.weights
     )
-    outputs, (x_grad, gamma_grad, beta_grad) = forward_backward(layer, x, upstream)
+
+    def run(x, upstream):
+        return forward_backward(layer, x, upstream)
+
+    if step != "eager":
+        batch = None if step == "per_sample_any_batch" else x.shape[0]
+        spec = tf.TensorSpec((batch, *x.shape[1:]), tf.float32)
+        run = tf.function(run, input_signature=[spec, spec])
+        graph = run.get_concrete_function().graph.as_graph_def()
+        ops = [n.op for n in graph.node]
+        ops += [n.op for f in graph.library.function for n in f.node_def]
+        assert ops.count("FusedBatchNormV3") == (1 if batch is None else 2)
+    outputs, (x_grad, gamma_grad, beta_grad) = run(x, upstream)
     compute = _compat.dtype_policy(policy).compute_dtype
     reference = normalization_reference(
         x, rounded(upstream, compute), gamma, beta, 1e-3, (1, 2)

@@ -23,6 +23,7 @@ Usage: python benchmarks/paths.py [--layers IN LN] [--policies ...]
 """
 
 import argparse
+import math
 import os
 import pathlib
 import time
@@ -46,7 +47,7 @@ from layers import (
 )
 from machine import cpu_kind, print_header, write_results
 
-from keras_amp_plus.layers import _path_choice
+from keras_amp_plus.layers import _path_choice, _per_sample_batch_norm
 
 STEPS = ("graph", "tfdata")
 PATHS = {
@@ -58,6 +59,14 @@ PATHS = {
     ),
     "LN": (_path_choice.KERAS_FORMULA, _path_choice.FUSED_KERNELS),
 }
+
+
+def applicable_paths(kind, shape):
+    """Return the paths of `kind` that can run at `shape` (none falls back)."""
+    sample_elements = math.prod(shape[1:])
+    small = sample_elements < _per_sample_batch_norm.MIN_SAMPLE_ELEMENTS
+    per_sample = _path_choice.PER_SAMPLE_BATCH_NORM
+    return [path for path in PATHS[kind] if not (path == per_sample and small)]
 
 
 def traced_with_path(step, path, x, upstream):
@@ -81,7 +90,7 @@ def build_steps(kind, shape, policy, step_kind):
         ours, theirs, again = build_pair(kind, shape, policy)
         dtype = keras.config.dtype_policy().compute_dtype
         forced = {}
-        for path in PATHS[kind]:
+        for path in applicable_paths(kind, shape):
             layer = layer_pair(kind)[0]
             layer.build(shape)
             layer.set_weights(ours.get_weights())

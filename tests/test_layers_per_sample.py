@@ -1,9 +1,10 @@
 """Instance norm through TensorFlow's batch-norm kernel, one call per sample.
 
 The per-sample path must match float64 references (outputs, all gradients,
-second order), run only where it applies (a batch size known at trace time,
-large samples, outside XLA) and be chosen as `_path_choice` says: by the
-measurement where one covers the size, else by the rule.
+second order), unrolled for a batch size known at trace time and in a loop
+for any, run only where it applies (large samples, outside XLA) and be
+chosen as `_path_choice` says: by the measurement where one covers the size,
+else by the rule; samples larger than any measured, outright.
 """
 
 import json
@@ -18,6 +19,7 @@ from conftest import (
     check_normalization,
     float_inputs,
     normalization_reference,
+    run_layer,
     set_random_weights,
     use_policy,
 )
@@ -124,6 +126,23 @@ def test_large_samples_take_the_per_sample_path_like_float64(policy_name, monkey
     count_slop = 64 * 64 / 16
     assert_close(outputs, ref[0], compute, "outputs", count_slop)
     assert_close(x_grad, ref[1], compute, "x gradient", count_slop)
+
+
+@pytest.mark.parametrize("batch", (0, None), ids=("known", "any"))
+def test_an_empty_batch_normalizes_to_an_empty_batch(batch, monkeypatch):
+    # Under tf.distribute a replica's share of a partial batch can be empty.
+    monkeypatch.setenv(_path_choice.PATH_VARIABLE, PER_SAMPLE)
+    monkeypatch.setattr(_per_sample_batch_norm, "MIN_SAMPLE_ELEMENTS", 1)
+    use_policy("mixed_bfloat16")
+    layer = layers.InstanceNormalization()
+    layer.build((None, 4, 4, 8))
+    step = _GraphStep(layer, any_batch=batch is None)
+    x = tf.zeros([0, 4, 4, 8], tf.bfloat16)
+    assert "FusedBatchNormV3" in step.ops(x)
+    outputs, grads = run_layer(step, x, tf.zeros_like(x))
+    assert outputs.shape == (0, 4, 4, 8) and grads[0].shape == (0, 4, 4, 8)
+    for weight_grad in grads[1:]:
+        np.testing.assert_array_equal(as_float64(weight_grad), np.zeros((8,)))
 
 
 @pytest.mark.parametrize("any_batch", (False, True), ids=("unrolled", "loop"))

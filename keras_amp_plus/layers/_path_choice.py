@@ -22,11 +22,12 @@ measured by `benchmarks/layers.py` on each kind of machine:
   `DOT_SUM_MIN_ELEMENTS` on, the kernels; below it, for statistics over
   trailing axes (layer norm), the kernels; for statistics over middle
   axes (instance norm, channels last), TensorFlow's fused batch-norm kernel
-  from `BATCH_NORM_MIN_ELEMENTS` on (per sample where that applies) and
-  Keras's formula below; with TensorFlow's oneDNN kernels off, float32 instance
-  norms always run Keras's formula (it won every race there).
+  from `BATCH_NORM_MIN_ELEMENTS` on (per sample from
+  `PER_SAMPLE_MIN_ELEMENTS` on, where that applies) and Keras's formula
+  below; with TensorFlow's oneDNN kernels off, float32 instance norms run
+  Keras's formula (it won every race there but the next rule's).
 - Instance norms of samples of `LARGE_SAMPLE_ELEMENTS` or more, in either
-  kind of graph step, run per sample, measured or not.
+  kind of graph step, run per sample, measured or not, oneDNN on or off.
 - In a graph step traced with an unknown batch size (as `fit` traces a
   `tf.data` pipeline without `drop_remainder`, or a partial last batch), the
   winner measured in steps traced that way for each batch size
@@ -80,13 +81,14 @@ BATCH_NORM_MIN_ELEMENTS = {"half": 2**18, "float32": 2**21}
 # ... and per sample from this size on, where that applies: below it the
 # transposed layout was as fast or faster (samples of 2**17 elements).
 PER_SAMPLE_MIN_ELEMENTS = 2**21
-# Samples this large take the per-sample path whatever the measurements of
-# inputs of their total size say: at 2**18 and 2**19 elements per sample it
-# ran at most 0.83x the next best path's time (graph and tf.data steps, all
-# three dtypes, oneDNN on and off; `benchmarks/paths.py`), and the measured
-# cells, of up to 2**17 elements per sample where the race is close, said
-# nothing about them.
-LARGE_SAMPLE_ELEMENTS = 2**18
+# Samples larger than any the path measurement races (2**18 elements, at
+# 8x64x64x64) take the per-sample path whatever the measurements of inputs
+# of their total size say: at 2**19 elements per sample (32x64x64x128) it ran
+# 0.20-0.57x Keras's layer and at most 0.7x the next best path's time (graph
+# and tf.data steps, all three dtypes, oneDNN on and off, on an AMD EPYC
+# Zen 4; `benchmarks/paths.py`), while the nearest measured cells, of 2**17
+# elements per sample where the race is close, had chosen the kernels.
+LARGE_SAMPLE_ELEMENTS = 2**19
 PATH_VARIABLE = "KERAS_AMP_PLUS_NORMALIZATION_PATH"
 
 # From this many elements on, the kernels' sums over middle axes are matrix

@@ -24,9 +24,9 @@ import tensorflow as tf
 from keras_amp_plus.layers import _batch_norm_formula, _saved_gradient
 
 # Below this many elements per sample the two kernel calls per sample cost
-# more than the transposes they save: on an AMD EPYC (Zen 5), oneDNN on and
-# off, this layout ran 1.1-3.4x Keras's layer at 8-64k elements per sample
-# and tied the transposed batch norm at 128k (`benchmarks/paths.py`).
+# more than the transposes they save: on an AMD EPYC Zen 4 this layout ran
+# 2.7-3.6x Keras's layer at 8k elements per sample, 1.6-2.1x at 16k and
+# 0.86-1.05x at 64k, never the fastest path (`benchmarks/paths.py`).
 MIN_SAMPLE_ELEMENTS = 2**17
 # Each unrolled sample adds a few ops to the traced graph; larger batches
 # run the loop.
@@ -84,16 +84,17 @@ def per_sample_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
 def per_sample_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """Return `(outputs, saved)`: `per_sample_normalize` and what its gradient reads.
 
-    `saved` is the kernel's three reserve spaces (float32), stacked over
-    the samples, which `per_sample_backward` hands back to the gradient
-    kernel sample by sample.
+    `saved` is the kernel's three reserve spaces (float32): the statistics
+    stacked over the samples, which `per_sample_backward` hands back to the
+    gradient kernel sample by sample, and its workspace, alike for every
+    sample (empty, or a placeholder its CPU gradient does not read).
     """
     del stat_axes  # always the middle axes (`applies`)
     scale, offset = _per_channel(gamma), _per_channel(beta)
-    shape = _sample_shape(x)
+    shape, channels = _sample_shape(x), [x.shape[-1]]
 
     def forward(sample):
-        outputs, _, _, *saved = tf.raw_ops.FusedBatchNormV3(
+        outputs, _, _, mean, variance, workspace = tf.raw_ops.FusedBatchNormV3(
             x=tf.reshape(sample, shape),
             scale=scale,
             offset=offset,
@@ -104,38 +105,39 @@ def per_sample_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
             data_format="NHWC",
             is_training=True,
         )
-        return (outputs, *saved)
+        return (outputs, mean, variance), (workspace,)
 
-    outputs, *saved = _over_samples(forward, (x,), (x.dtype, *[tf.float32] * 3))
-    # A loop's stacked results have no static rank; the reserve spaces are
-    # vectors (the third one may be empty), so one row per sample.
-    saved = tuple(tf.reshape(s, [tf.shape(x)[0], -1]) for s in saved)
-    return tf.cast(tf.reshape(outputs, tf.shape(x)), output_dtype), saved
+    specs = ((x.dtype, shape), (tf.float32, channels), (tf.float32, channels))
+    (outputs, mean, variance), (workspace,) = _over_samples(
+        forward, (x,), specs, kept=1
+    )
+    outputs = tf.cast(tf.reshape(outputs, tf.shape(x)), output_dtype)
+    return outputs, (mean, variance, workspace)
 
 
 def per_sample_backward(upstream, x, gamma, saved, epsilon, stat_axes):
     """Return the gradients w.r.t. (x, gamma, beta) of `per_sample_forward`."""
     del stat_axes
-    scale, shape = _per_channel(gamma), _sample_shape(x)
+    scale, shape, channels = _per_channel(gamma), _sample_shape(x), [x.shape[-1]]
+    workspace = saved[2]
 
-    def backward(upstream, sample, *reserve):
+    def backward(upstream, sample, mean, variance):
         x_grad, scale_grad, offset_grad, _, _ = tf.raw_ops.FusedBatchNormGradV3(
             y_backprop=tf.reshape(upstream, shape),
             x=tf.reshape(sample, shape),
             scale=scale,
-            reserve_space_1=reserve[0],
-            reserve_space_2=reserve[1],
-            reserve_space_3=reserve[2],
+            reserve_space_1=mean,
+            reserve_space_2=variance,
+            reserve_space_3=workspace,
             epsilon=epsilon,
             data_format="NHWC",
             is_training=True,
         )
-        return x_grad, scale_grad, offset_grad
+        return (x_grad, scale_grad, offset_grad), ()
 
-    x_grad, scale_grad, offset_grad = _over_samples(
-        backward,
-        (tf.cast(upstream, x.dtype), x, *saved),
-        (x.dtype, tf.float32, tf.float32),
+    specs = ((x.dtype, shape), (tf.float32, channels), (tf.float32, channels))
+    (x_grad, scale_grad, offset_grad), _ = _over_samples(
+        backward, (tf.cast(upstream, x.dtype), x, saved[0], saved[1]), specs
     )
     return (
         tf.reshape(x_grad, tf.shape(x)),
@@ -144,26 +146,42 @@ def per_sample_backward(upstream, x, gamma, saved, epsilon, stat_axes):
     )
 
 
-def _over_samples(fn, tensors, dtypes):
-    """Return `fn` of each sample of `tensors`, each result joined on axis 0.
+def _over_samples(fn, tensors, specs, kept=0):
+    """Return `fn` of each sample of `tensors`: results stacked, kept ones last.
 
     `fn` takes one first-axis slice of each tensor (without that axis) and
-    returns tensors of `dtypes`; the results are stacked along a new first
-    axis. Unrolled for a known batch size up to `MAX_SAMPLES`, else a loop.
+    returns `(results, kept values)`: tensors of the `(dtype, shape)` pairs in
+    `specs`, stacked along a new first axis, and `kept` float32 tensors every
+    sample gives alike, of which the last sample's are returned (empty
+    vectors for an empty batch). Unrolled for a known batch size from 1 to
+    `MAX_SAMPLES`, else a loop.
     """
     samples = tensors[0].shape[0]
-    if samples is not None and samples <= MAX_SAMPLES:
-        results = [fn(*(t[i] for t in tensors)) for i in range(samples)]
-        return [tf.stack(parts) for parts in zip(*results, strict=True)]
+    if samples is not None and 0 < samples <= MAX_SAMPLES:
+        calls = [fn(*(t[i] for t in tensors)) for i in range(samples)]
+        results = zip(*(results for results, _ in calls), strict=True)
+        return [tf.stack(parts) for parts in results], calls[-1][1]
     count = tf.shape(tensors[0])[0]
-    arrays = tuple(tf.TensorArray(dtype, size=count) for dtype in dtypes)
+    # Known element shapes: an empty batch stacks to an empty tensor.
+    arrays = tuple(
+        tf.TensorArray(dtype, size=count, element_shape=shape) for dtype, shape in specs
+    )
+    last = tuple(tf.zeros([0]) for _ in range(kept))
 
-    def body(i, arrays):
-        results = fn(*(t[i] for t in tensors))
-        return i + 1, tuple(a.write(i, r) for a, r in zip(arrays, results, strict=True))
+    def body(i, arrays, last):
+        results, last = fn(*(t[i] for t in tensors))
+        arrays = tuple(a.write(i, r) for a, r in zip(arrays, results, strict=True))
+        return i + 1, arrays, tuple(last)
 
-    _, arrays = tf.while_loop(lambda i, _: i < count, body, (0, arrays))
-    return [array.stack() for array in arrays]
+    invariants = (
+        tf.TensorShape([]),
+        tuple(tf.TensorShape(None) for _ in arrays),
+        tuple(tf.TensorShape(None) for _ in last),
+    )
+    _, arrays, last = tf.while_loop(
+        lambda i, *_: i < count, body, (0, arrays, last), shape_invariants=invariants
+    )
+    return [array.stack() for array in arrays], last
 
 
 def _sample_shape(x):

@@ -1,7 +1,7 @@
 """Which implementation a normalization runs at a shape, on this CPU.
 
-Three implementations (four paths) compute the same result with float32 statistics: the
-fused XLA kernels (`_fused_normalization`), Keras's own formula
+Three implementations (four paths) compute the same result with float32
+statistics: the fused XLA kernels (`_fused_normalization`), Keras's own formula
 (`_keras_formula`) and, for instance norm, TensorFlow's fused batch-norm
 kernel, on the whole batch transposed (`_batch_norm_formula`) or, for large
 samples, per sample (`_per_sample_batch_norm`, a fourth path). Which one is
@@ -209,7 +209,10 @@ def paths_by_batch_size(
     sample = tf.TensorShape(shape[1:]).num_elements() if shape.rank else None
     if per_sample_applies and sample >= LARGE_SAMPLE_ELEMENTS:
         fixed = _path_without_size(
-            shape.num_elements(), trailing_statistics, True, per_sample_applies
+            shape.num_elements(),
+            trailing_statistics,
+            batch_norm_applies,
+            per_sample_applies,
         )
         return ((1, fixed or PER_SAMPLE_BATCH_NORM),)
     if shape.num_elements() is not None or not sample:
@@ -336,7 +339,8 @@ def _graph_step_path(
         )
         # The batch-norm kernel's side (from 2**22 elements): per sample, a
         # loop, beat the transposed batch there in every dtype measured.
-        return PER_SAMPLE_BATCH_NORM if path == BATCH_NORM and applies[1] else path
+        per_sample = path == BATCH_NORM and per_sample_applies
+        return PER_SAMPLE_BATCH_NORM if per_sample else path
     if large and per_sample_applies:  # it beat the kernels there, oneDNN on and off
         return PER_SAMPLE_BATCH_NORM
     if large or trailing_statistics:

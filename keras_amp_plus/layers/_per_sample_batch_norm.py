@@ -48,18 +48,8 @@ def applies(x, gamma, epsilon, stat_axes) -> bool:
 def per_sample_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """Return the instance-normalized `x`; see `fused_normalize`.
 
-    Args:
-        x: a channels-last tensor with `applies(x, gamma, epsilon,
-            stat_axes)` True.
-        gamma: the per-channel scale, shape `(1, ..., 1, C)`, float32.
-        beta: the per-channel offset, like `gamma`.
-        epsilon: positive float added to the variance.
-        stat_axes: the middle axes `(1, ..., rank - 2)`.
-        output_dtype: the dtype of the result.
-
-    Returns:
-        The normalized, scaled and shifted `x` in `output_dtype`,
-        differentiable w.r.t. `x`, `gamma` and `beta`.
+    Args and result as `_batch_norm_formula.batch_norm_normalize`, for an `x`
+    with `applies(x, gamma, epsilon, stat_axes)` True.
 
     Example:
     >>> import tensorflow as tf

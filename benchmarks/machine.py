@@ -47,6 +47,9 @@ def xla_max_isa():
 def cpu_kind(machine: dict) -> str:
     """Return a short file-name tag for the CPU kind, e.g. `intel_amx`.
 
+    AMD CPUs carry their Zen generation (`amd_zen4_avx512`) where the
+    family and model numbers name one.
+
     A run with oneDNN switched off where TensorFlow would have it on gets
     `_onednn_off`: it approximates a CPU without oneDNN and is kept apart; a
     cap on XLA's instruction set (`XLA_FLAGS=--xla_cpu_max_isa=AVX2`) adds
@@ -54,6 +57,10 @@ def cpu_kind(machine: dict) -> str:
     """
     model = (machine["model"] or "unknown").lower()
     vendor = "intel" if "intel" in model else "amd" if "amd" in model else "cpu"
+    if vendor == "amd":
+        # One AMD model name ("AMD EPYC") covers generations that measure
+        # differently (Zen 4 and Zen 5 both have AVX512-BF16).
+        vendor += amd_generation(machine.get("signature"))
     features = machine["features"] or {}
     if features.get("amx_bf16"):
         tag = f"{vendor}_amx"
@@ -62,6 +69,39 @@ def cpu_kind(machine: dict) -> str:
     tag += "_onednn_off" if machine["onednn"] is False else ""
     isa = machine.get("xla_max_isa")
     return tag + (f"_xla_{isa.lower()}" if isa else "")
+
+
+# AMD family 25 (0x19) holds Zen 3 and Zen 4 by model range; 23 (0x17)
+# holds Zen 1 and Zen 2; 26 (0x1A) is Zen 5.
+_AMD_GENERATIONS = {
+    23: ((0x00, 0x2F, "zen1"), (0x30, 0xFF, "zen2")),
+    25: (
+        (0x00, 0x0F, "zen3"),
+        (0x10, 0x1F, "zen4"),
+        (0x20, 0x5F, "zen3"),
+        (0x60, 0xAF, "zen4"),
+    ),
+    26: ((0x00, 0xFF, "zen5"),),
+}
+
+
+def amd_generation(signature) -> str:
+    """Return `_zenN` for an AMD `family F model M` signature, else `""`.
+
+    Example:
+    >>> amd_generation("family 25 model 17")
+    '_zen4'
+    >>> amd_generation(None)
+    ''
+    """
+    found = re.fullmatch(r"family (\d+) model (\d+)", signature or "")
+    if not found:
+        return ""
+    family, model = map(int, found.groups())
+    for first, last, name in _AMD_GENERATIONS.get(family, ()):
+        if first <= model <= last:
+            return f"_{name}"
+    return ""
 
 
 def print_header(title: str) -> dict:

@@ -3,7 +3,7 @@
 In a graph step traced for any batch size (`fit` on a `tf.data` pipeline
 without `drop_remainder`), a layer whose measured winner changes with the
 batch size switches between paths at run time (`tf.switch_case` in
-`keras_amp_plus.layers._batch_size_switch`). This script measures what the
+`keras_amp_plus.layers._size_switch`). This script measures what the
 switch itself costs: for each path, the layer running that path alone and the
 layer running it behind a switch to a second path no batch reaches, beside
 Keras's layer, in such a step, called interleaved as `layers.py` calls them,

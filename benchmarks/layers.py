@@ -15,7 +15,9 @@ one forward + backward step (gradients w.r.t. the input and every weight,
 upstream gradient given) is wrapped in a `tf.function` ("graph" step), in one
 traced for any batch size ("tfdata" step: the batch axis unknown when traced,
 as `fit` traces a `tf.data` pipeline without `drop_remainder` or data with a
-partial last batch), in a `tf.function(jit_compile=True)` ("xla" step: the
+partial last batch), in one traced with every axis but the last unknown
+("any_size": a fully convolutional model, `keras.Input((None, None, C))`,
+or sequences of any length), in a `tf.function(jit_compile=True)` ("xla" step: the
 layer inlined into one XLA cluster, as in a model compiled with
 `jit_compile=True`) and in one traced for any batch size too ("xla_tfdata":
 as `fit(jit_compile=True)` traces such a pipeline; XLA then compiles the
@@ -75,7 +77,7 @@ from keras_amp_plus.layers import _path_calibration
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 POLICIES = ("mixed_bfloat16", "mixed_float16", "float32")
-STEPS = ("graph", "tfdata", "xla", "xla_tfdata")
+STEPS = ("graph", "tfdata", "any_size", "xla", "xla_tfdata")
 ANY_BATCH_STEPS = ("tfdata", "xla_tfdata")
 XLA_STEPS = ("xla", "xla_tfdata")
 TARGET_WORST, TARGET_MEDIAN = 1.0, 0.6
@@ -163,6 +165,9 @@ def make_step(layer, step_kind, shape, dtype):
     signature = None
     if step_kind in ANY_BATCH_STEPS:
         spec = tf.TensorSpec((None, *shape[1:]), dtype)
+        signature = [spec, spec]
+    elif step_kind == "any_size":  # all but the last axis unknown
+        spec = tf.TensorSpec((None,) * (len(shape) - 1) + shape[-1:], dtype)
         signature = [spec, spec]
 
     @tf.function(jit_compile=step_kind in XLA_STEPS, input_signature=signature)

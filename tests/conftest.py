@@ -544,3 +544,20 @@ def hlo_without_names(hlo):
     hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)
     hlo = re.sub(r"(HloModule|ENTRY) \S+", r"\1", hlo)
     return re.sub(r"%[\w.]+", "%name", hlo)
+
+
+def counting_runs(function, ran, key):
+    """`function`, appending `key` to the list `ran` whenever it runs."""
+
+    def record():
+        ran.append(key)
+        return np.int32(0)
+
+    def counted(*args):
+        # A Python callback, not a variable: the layer's `tf.custom_gradient`
+        # refuses functions that touch variables it was not handed.
+        with tf.control_dependencies([tf.numpy_function(record, [], tf.int32)]):
+            first, *rest = function(*args)
+            return (tf.identity(first), *rest)
+
+    return counted

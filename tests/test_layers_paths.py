@@ -16,6 +16,7 @@ from conftest import (
     as_float64,
     assert_close,
     check_normalization,
+    counting_runs,
     float_inputs,
     normalization_reference,
     set_random_weights,
@@ -119,23 +120,6 @@ def _measure_by_size(patch, small, large, first_large):
     )
 
 
-def _counting(function, ran, key):
-    """`function`, appending `key` to the list `ran` whenever it runs."""
-
-    def record():
-        ran.append(key)
-        return np.int32(0)
-
-    def counted(*args):
-        # A Python callback, not a variable: the layer's `tf.custom_gradient`
-        # refuses functions that touch variables it was not handed.
-        with tf.control_dependencies([tf.numpy_function(record, [], tf.int32)]):
-            first, *rest = function(*args)
-            return (tf.identity(first), *rest)
-
-    return counted
-
-
 def _check_path_of_each_batch(make_layer, sample, stat_axes, small, large, policy_name):
     """`make_layer()` traced once for any batch size runs each batch's path.
 
@@ -149,7 +133,7 @@ def _check_path_of_each_batch(make_layer, sample, stat_axes, small, large, polic
         _measure_by_size(patch, small, large, 4 * 256)
         for direction, table in tables.items():
             for path in (small, large):
-                counted = _counting(table[path], ran, (direction, path))
+                counted = counting_runs(table[path], ran, (direction, path))
                 patch.setitem(table, path, counted)
         compute = use_policy(policy_name).compute_dtype
         layer = make_layer()
@@ -332,7 +316,7 @@ def test_fit_on_a_dataset_trains_through_the_switch_like_keras(large_path, monke
     fused = _fused_normalization
     for table in (fused._FORWARD_BY_PATH, fused._BACKWARD_BY_PATH):
         for path in (formula, large_path):
-            monkeypatch.setitem(table, path, _counting(table[path], ran, path))
+            monkeypatch.setitem(table, path, counting_runs(table[path], ran, path))
     use_policy("float32")
     rng = np.random.default_rng(0)
     x = rng.normal(2.0, 1.5, (10, 6, 6, 3)).astype("float32")

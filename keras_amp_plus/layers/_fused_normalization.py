@@ -29,13 +29,13 @@ import tensorflow as tf
 
 from keras_amp_plus.layers import (
     _batch_norm_formula,
-    _batch_size_switch,
     _channel_rows,
     _feature_rows,
     _keras_formula,
     _path_choice,
     _per_sample_batch_norm,
     _row_buckets,
+    _size_switch,
 )
 
 
@@ -197,12 +197,22 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
 
     trailing = stat_axes == tuple(range(x.shape.rank - len(stat_axes), x.shape.rank))
     batch_norm_applies = _batch_norm_formula.applies(x, gamma, epsilon, stat_axes)
-    per_sample_applies = _per_sample_batch_norm.applies(x, gamma, epsilon, stat_axes)
-    paths = _path_choice.paths_by_batch_size(
-        x.shape, trailing, x.dtype, batch_norm_applies, per_sample_applies
-    )
-    if len(paths) == 1:
-        normalize = _NORMALIZE_BY_PATH[paths[0][1]]
+    if batch_norm_applies and x.shape[1:].num_elements() is None:
+        # Instance norm of any image size: the path by sample size and size.
+        paths = _path_choice.paths_by_sample_size(x.dtype, batch_norm_applies)
+        every_path = {path for _, runs in paths for _, path in runs}
+        switch = _size_switch.switch_on_sample_size
+    else:
+        per_sample_applies = _per_sample_batch_norm.applies(
+            x, gamma, epsilon, stat_axes
+        )
+        paths = _path_choice.paths_by_batch_size(
+            x.shape, trailing, x.dtype, batch_norm_applies, per_sample_applies
+        )
+        every_path = {path for _, path in paths}
+        switch = _size_switch.switch_on_batch_size
+    if len(every_path) == 1:
+        normalize = _NORMALIZE_BY_PATH[every_path.pop()]
         return normalize(x, gamma, beta, epsilon, stat_axes, output_dtype)
 
     def forward(path, x, gamma, beta):
@@ -213,9 +223,7 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
         run = _BACKWARD_BY_PATH[path]
         return run(upstream, x, gamma, saved, epsilon, stat_axes)
 
-    return _batch_size_switch.switch_on_batch_size(
-        x, gamma, beta, paths, forward, backward
-    )
+    return switch(x, gamma, beta, paths, forward, backward)
 
 
 def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
@@ -268,7 +276,7 @@ def _normalize_with_gradient(x, gamma, beta, epsilon, stat_axes, output_dtype):
 def kernels_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """Return `(outputs, saved)`: `kernels_normalize` and its statistics.
 
-    For inputs whose batch size alone is unknown (`_batch_size_switch`):
+    For inputs behind the run-time switch (`_size_switch`):
     instance norm's channels as rows (`_channel_rows`), anything else as it
     comes. `saved` is `_normalize_forward`'s statistics, in that layout.
     """

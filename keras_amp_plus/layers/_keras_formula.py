@@ -74,7 +74,7 @@ def formula_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """Return `(outputs, saved)`: the formula and what `formula_backward` reads.
 
     `saved` is `(mean, inverse_stddev, empty)` in the dtype of `gamma`: three
-    tensors like the other paths' (`_batch_size_switch`).
+    tensors like the other paths' (`_size_switch`).
     """
     x_wide = tf.cast(x, gamma.dtype)
     mean, variance = tf.nn.moments(x_wide, list(stat_axes), keepdims=True)

@@ -66,7 +66,7 @@ import os
 import tensorflow as tf
 
 from keras_amp_plus import _compat, _hardware
-from keras_amp_plus.layers import _path_calibration
+from keras_amp_plus.layers import _path_calibration, _per_sample_batch_norm
 
 FUSED_KERNELS = _path_calibration.FUSED_KERNELS
 KERAS_FORMULA = _path_calibration.KERAS_FORMULA
@@ -186,7 +186,7 @@ def paths_by_batch_size(
     the measured winner depends on the input's size. Then the choice is made
     per batch size, from the winners measured in steps traced that way (the
     kernels where none were), and the layer switches between the paths at
-    run time (`_batch_size_switch`). Elsewhere (a known shape, XLA, a forced
+    run time (`_size_switch`). Elsewhere (a known shape, XLA, a forced
     path, ...) it is one path for every size.
 
     Args:
@@ -239,6 +239,70 @@ def paths_by_batch_size(
         if not runs or runs[-1][1] != path:
             runs.append((batch, path))
     return tuple(runs)
+
+
+def paths_by_sample_size(dtype="float32", batch_norm_applies=False) -> tuple:
+    """Return the paths of an instance norm whose sample size is unknown.
+
+    A fully convolutional model (`keras.Input((None, None, C))`) traces its
+    step for any image size, so neither the sample size nor the input's
+    size is known at trace time, and both decide the path: per sample from
+    `LARGE_SAMPLE_ELEMENTS` elements per sample on (as for a known shape,
+    measured or not); below it, the winner measured for the input's size in
+    steps traced for any batch size, where the per-sample path competes from
+    `_per_sample_batch_norm.MIN_SAMPLE_ELEMENTS` on; the rules where nothing
+    was measured. The layer switches between them at run time
+    (`_size_switch.switch_on_sample_size`).
+
+    Args:
+        dtype: as in `normalization_path`. Defaults to `"float32"`.
+        batch_norm_applies: as in `normalization_path`; the per-sample path
+            applies with it. Defaults to `False`.
+
+    Returns:
+        A tuple of `(first sample elements, runs)` pairs by increasing
+        sample size, the first starting at 1; each `runs` a tuple of
+        `(first elements, path)` pairs by increasing input size, as
+        `paths_by_batch_size` returns them.
+
+    Example:
+    >>> paths_by_sample_size()  # float64 or a tiny epsilon: the kernels
+    ((1, ((1, 'fused_kernels'),)),)
+    """
+    fixed = _path_without_size(None, False, batch_norm_applies, batch_norm_applies)
+    if fixed is not None or not batch_norm_applies:
+        return ((1, ((1, fixed or FUSED_KERNELS),)),)
+    return (
+        (1, _runs_by_elements(dtype, per_sample_applies=False)),
+        (
+            _per_sample_batch_norm.MIN_SAMPLE_ELEMENTS,
+            _runs_by_elements(dtype, per_sample_applies=True),
+        ),
+        (LARGE_SAMPLE_ELEMENTS, ((1, PER_SAMPLE_BATCH_NORM),)),
+    )
+
+
+def _runs_by_elements(dtype, per_sample_applies) -> tuple:
+    """Return `(first elements, path)` runs of instance norms of any size."""
+    runs = []
+    for elements in _element_grid():
+        path = _graph_step_path(
+            elements,
+            False,
+            dtype,
+            batch_norm_applies=True,
+            unknown_batch=True,
+            per_sample_applies=per_sample_applies,
+        )
+        if not runs or runs[-1][1] != path:
+            runs.append((elements if runs else 1, path))
+    return tuple(runs)
+
+
+@functools.cache
+def _element_grid() -> tuple:
+    """Input sizes the choice is evaluated at: 1 to 2**30, 9% apart."""
+    return tuple(sorted({round(2 ** (k / 8)) for k in range(8 * 30 + 1)}))
 
 
 @functools.cache

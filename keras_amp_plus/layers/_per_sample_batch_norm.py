@@ -17,8 +17,6 @@ over the samples, as `fit` traces a `tf.data` pipeline without
 (`_path_calibration`).
 """
 
-import math
-
 import tensorflow as tf
 
 from keras_amp_plus.layers import _batch_norm_formula, _saved_gradient
@@ -85,7 +83,7 @@ def per_sample_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
 
     def forward(sample):
         outputs, _, _, mean, variance, workspace = tf.raw_ops.FusedBatchNormV3(
-            x=tf.reshape(sample, shape),
+            x=_as_sample(sample, shape),
             scale=scale,
             offset=offset,
             mean=tf.constant([], tf.float32),
@@ -113,8 +111,8 @@ def per_sample_backward(upstream, x, gamma, saved, epsilon, stat_axes):
 
     def backward(upstream, sample, mean, variance):
         x_grad, scale_grad, offset_grad, _, _ = tf.raw_ops.FusedBatchNormGradV3(
-            y_backprop=tf.reshape(upstream, shape),
-            x=tf.reshape(sample, shape),
+            y_backprop=_as_sample(upstream, shape),
+            x=_as_sample(sample, shape),
             scale=scale,
             reserve_space_1=mean,
             reserve_space_2=variance,
@@ -175,8 +173,17 @@ def _over_samples(fn, tensors, specs, kept=0):
 
 
 def _sample_shape(x):
-    """Return one sample's shape as the kernel reads it: `(1, S, 1, C)`."""
-    return [1, math.prod(x.shape[1:-1]), 1, x.shape[-1]]
+    """Return one sample's shape as the kernel reads it: `(1, S, 1, C)`.
+
+    S is None where the sample's size is unknown at trace time (any image
+    size): then it is read at run time (`_as_sample`).
+    """
+    return tf.TensorShape([1, x.shape[1:-1].num_elements(), 1, x.shape[-1]])
+
+
+def _as_sample(tensor, shape):
+    """Return one sample (or its gradient) reshaped to `_sample_shape`."""
+    return tf.reshape(tensor, [1, -1, 1, shape[-1]])
 
 
 def _per_channel(weight):

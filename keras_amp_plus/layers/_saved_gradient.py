@@ -1,7 +1,7 @@
 """A normalization path as a forward and the backward of what it saved.
 
 The paths that carry their own gradient (`_keras_formula` outside XLA,
-`_per_sample_batch_norm`, and every path behind `_batch_size_switch`) are
+`_per_sample_batch_norm`, and every path behind `_size_switch`) are
 written as `forward(x, gamma, beta, epsilon, stat_axes, output_dtype) ->
 (outputs, saved)` and `backward(upstream, x, gamma, saved, epsilon,
 stat_axes) -> (x_grad, gamma_grad, beta_grad)`; `normalize_with` joins the

@@ -1,9 +1,12 @@
-"""A run-time switch between normalization paths by the input's batch size.
+"""A run-time switch between normalization paths by the input's size.
 
 In a graph step traced for any batch size (`fit` on a `tf.data` pipeline
 without `drop_remainder`), the path measured fastest can change with the
-batch size (`_path_choice.paths_by_batch_size`). The layer then picks its
-path at run time with `tf.switch_case`. Left to autodiff, the switch's
+batch size (`_path_choice.paths_by_batch_size`); in one traced for any image
+size (a fully convolutional model, `keras.Input((None, None, C))`), with the
+sample size and the input's size (`_path_choice.paths_by_sample_size`). The
+layer then picks its path at run time with `tf.switch_case`. Left to
+autodiff, the switch's
 gradient is TensorFlow's cond_v2 gradient: the forward switch hands every
 intermediate any branch's gradient needs to the backward switch, which
 cost 0.1-0.4 ms a step on 2-core CPUs (`benchmarks/batch_switch.py`), a
@@ -53,14 +56,76 @@ def switch_on_batch_size(x, gamma, beta, paths, forward, backward):
     [1.0, 2.0]
     """
     distinct = sorted({path for _, path in paths})
-    branch_of_run = tf.constant([distinct.index(path) for _, path in paths])
-    firsts = tf.constant([first for first, _ in paths[1:]], tf.int64)
+
+    def branch_of(x):
+        return _branch_at(paths, tf.shape(x, out_type=tf.int64)[0], distinct)
+
+    return _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward)
+
+
+def switch_on_sample_size(x, gamma, beta, paths, forward, backward):
+    """Normalize `x` by the path of its sample size and its size.
+
+    Args:
+        x: the input, the size of its samples unknown at trace time.
+        gamma: as in `switch_on_batch_size`.
+        beta: as in `switch_on_batch_size`.
+        paths: `_path_choice.paths_by_sample_size`: `(first sample
+            elements, runs)` pairs, each `runs` `(first elements, path)`
+            pairs by the input's number of elements.
+        forward: as in `switch_on_batch_size`.
+        backward: as in `switch_on_batch_size`.
+
+    Returns:
+        The normalized `x`, differentiable w.r.t. `x`, `gamma` and `beta`.
+
+    Example:
+    >>> import tensorflow as tf
+    >>> factor = {"one": 1.0, "two": 2.0}
+    >>> def forward(path, x, gamma, beta):
+    ...     return factor[path] * x, (gamma, gamma, gamma)
+    >>> def backward(path, upstream, x, gamma, saved):
+    ...     return factor[path] * upstream, 0 * gamma, 0 * gamma
+    >>> paths = ((1, ((1, "one"),)), (4, ((1, "two"),)))  # samples of 4 and up
+    >>> ones, zeros = tf.ones([1, 1, 1]), tf.zeros([1, 1, 1])
+    >>> step = tf.function(
+    ...     lambda x: switch_on_sample_size(x, ones, zeros, paths, forward, backward),
+    ...     input_signature=[tf.TensorSpec([None, None, 1])])
+    >>> [float(step(tf.ones([2, n, 1]))[0, 0, 0]) for n in (3, 4)]
+    [1.0, 2.0]
+    """
+    distinct = sorted({path for _, runs in paths for _, path in runs})
+
+    def branch_of(x):
+        dims = tf.shape(x, out_type=tf.int64)
+        sample = tf.reduce_prod(dims[1:])
+        elements = dims[0] * sample
+        by_sample = tf.stack(
+            [_branch_at(runs, elements, distinct) for _, runs in paths]
+        )
+        return tf.gather(by_sample, _run_at(paths, sample))
+
+    return _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward)
+
+
+def _run_at(runs, size):
+    """Return the index of the run of `(first size, value)` pairs holding `size`."""
+    firsts = tf.constant([first for first, _ in runs[1:]], tf.int64)
+    return tf.reduce_sum(tf.cast(size >= firsts, tf.int32))
+
+
+def _branch_at(runs, size, distinct):
+    """Return the index in `distinct` of the path of the run holding `size`."""
+    branch_of_run = tf.constant([distinct.index(path) for _, path in runs])
+    return tf.gather(branch_of_run, _run_at(runs, size))
+
+
+def _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward):
+    """Normalize `x` by `distinct[branch_of(x)]`, with an explicit gradient."""
 
     @tf.custom_gradient
     def switched(x, gamma, beta):
-        batch = tf.cast(tf.shape(x)[0], tf.int64)
-        run_index = tf.reduce_sum(tf.cast(batch >= firsts, tf.int32))
-        branch = tf.gather(branch_of_run, run_index)
+        branch = branch_of(x)
         # The switch's outputs lose the static shapes the paths' `saved`
         # differ in; each backward gets those of its own forward back.
         saved_shapes = {}
@@ -149,14 +214,16 @@ def _refuse_second_order(paths):
 
     def second_order(*_):
         raise ValueError(
-            "A normalization layer traced for any batch size switches between "
-            "its implementations at run time, and its gradient cannot be "
-            "differentiated again there (nested GradientTapes, as a gradient "
-            "penalty takes them). Trace the step for a known batch size (batch "
-            "the tf.data pipeline with `drop_remainder=True`), or run one "
-            f"implementation for every size: set `{_path_choice.PATH_VARIABLE}` to "
-            "'fused_kernels' (or 'keras_formula'). "
-            f"Received: paths by batch size={paths!r}"
+            "A normalization layer traced for any batch size (or any image "
+            "size) switches between its implementations at run time, and its "
+            "gradient cannot be differentiated again there (nested "
+            "GradientTapes, as a gradient penalty takes them). Trace the step "
+            "for a known input shape (batch the tf.data pipeline with "
+            "`drop_remainder=True`; give the model's `Input` its image size), "
+            "or run one implementation for every size: set "
+            f"`{_path_choice.PATH_VARIABLE}` to 'fused_kernels' (or "
+            "'keras_formula'). "
+            f"Received: paths by size={paths!r}"
         )
 
     return second_order

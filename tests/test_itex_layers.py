@@ -155,12 +155,16 @@ def test_half_precision_takes_itex_kernel_where_the_probe_found_it_runs(dtype):
         assert norm.get_attr("U") == tf.float32  # statistics and gamma/beta
 
 
-@pytest.mark.parametrize("step", ("eager", "per_sample", "per_sample_any_batch"))
+STEPS = ("eager", "per_sample", "per_sample_any_batch", "per_sample_any_image_size")
+
+
+@pytest.mark.parametrize("step", (*STEPS, "any_image_size"))
 @pytest.mark.parametrize("policy", POLICIES)
 def test_instance_normalization_matches_float64(policy, step, monkeypatch):
     # Per sample: TensorFlow's batch-norm kernel once per sample in a graph
-    # step, unrolled for a known batch size, a while loop for any.
-    if step != "eager":
+    # step, unrolled for a known batch size, a while loop for any (batch or
+    # image size). Any image size unforced: the run-time switch by size.
+    if step.startswith("per_sample"):
         path = _path_choice.PER_SAMPLE_BATCH_NORM
         monkeypatch.setenv(_path_choice.PATH_VARIABLE, path)
         monkeypatch.setattr(_per_sample_batch_norm, "MIN_SAMPLE_ELEMENTS", 1)
@@ -176,13 +180,18 @@ def test_instance_normalization_matches_float64(policy, step, monkeypatch):
         return forward_backward(layer, x, upstream)
 
     if step != "eager":
-        batch = None if step == "per_sample_any_batch" else x.shape[0]
-        spec = tf.TensorSpec((batch, *x.shape[1:]), tf.float32)
+        shape = (None, *x.shape[1:]) if step.endswith("any_batch") else x.shape
+        if step.endswith("any_image_size"):
+            shape = (None, None, None, x.shape[-1])
+        spec = tf.TensorSpec(shape, tf.float32)
         run = tf.function(run, input_signature=[spec, spec])
         graph = run.get_concrete_function().graph.as_graph_def()
         ops = [n.op for n in graph.node]
         ops += [n.op for f in graph.library.function for n in f.node_def]
-        assert ops.count("FusedBatchNormV3") == (1 if batch is None else 2)
+        if step.startswith("per_sample"):
+            assert ops.count("FusedBatchNormV3") == (1 if shape[0] is None else 2)
+        else:
+            assert "Case" in ops or "StatelessCase" in ops
     outputs, (x_grad, gamma_grad, beta_grad) = run(x, upstream)
     compute = _compat.dtype_policy(policy).compute_dtype
     reference = normalization_reference(

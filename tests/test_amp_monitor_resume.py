@@ -3,6 +3,7 @@
 import os
 
 import keras
+import numpy as np
 import pytest
 from conftest import (
     STEPS_PER_EPOCH,
@@ -13,6 +14,7 @@ from conftest import (
 )
 
 from keras_amp_plus.callbacks import AMPMonitor
+from keras_amp_plus.optimizers import LossScaleOptimizer
 
 
 class Interrupt(keras.callbacks.Callback):
@@ -106,3 +108,59 @@ def test_lists_survive_save_and_load(tmp_path):
         r for r in read_jsonl(str(tmp_path / "logs")) if r["type"] == "list_change"
     ]
     assert len(changes) == 1  # the epoch-0 move, kept; nothing new
+
+
+def _one_overflow_an_epoch():
+    """A float16 model and data of 4 batches, one of which overflows every epoch."""
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(1)]
+    )
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    model.compile(optimizer, loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    x[3] *= 1e6  # beyond float16: batch 0's gradients overflow, every epoch
+    return model, (x, rng.normal(size=(64, 1)).astype("float32"))
+
+
+def _fit(model, data, callbacks, **kwargs):
+    x, y = data
+    kwargs = {"batch_size": 16, "shuffle": False, "verbose": 0, **kwargs}
+    return model.fit(x, y, callbacks=callbacks, **kwargs)
+
+
+def _overflow_steps(log_dir):
+    return [e["step"] for e in read_jsonl(log_dir) if e["type"] == "overflow"]
+
+
+def test_continuing_from_an_earlier_checkpoint_loses_no_event(tmp_path):
+    # The best checkpoint (`save_best_only`) is older than the last epoch:
+    # its optimizer has counted fewer overflows and steps than the monitor's
+    # record of the run it continues. Every new overflow is still reported,
+    # numbered after the record's steps.
+    log_dir = str(tmp_path)
+    model, data = _one_overflow_an_epoch()
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        os.path.join(log_dir, "epoch{epoch}.keras")
+    )
+    _fit(model, data, [AMPMonitor(log_dir, adapt=False), checkpoint], epochs=4)
+    reloaded = keras.saving.load_model(os.path.join(log_dir, "epoch2.keras"))
+    before = int(reloaded.optimizer.overflow_count.numpy())
+    monitor = AMPMonitor(log_dir, adapt=False)
+    history = _fit(reloaded, data, [monitor], epochs=6, initial_epoch=4)
+    assert int(reloaded.optimizer.overflow_count.numpy()) - before == 2
+    assert history.history["overflow_events"] == [1, 1]
+    # 4 steps an epoch: the overflowing first step of each epoch.
+    assert _overflow_steps(log_dir) == [1, 5, 9, 13, 17, 21]
+
+
+def test_one_monitor_for_two_models_reports_each_models_events(tmp_path):
+    log_dir = str(tmp_path)
+    monitor = AMPMonitor(log_dir, adapt=False)
+    for _ in range(2):
+        model, data = _one_overflow_an_epoch()
+        history = _fit(model, data, [monitor], epochs=2)
+        assert history.history["overflow_events"] == [1, 1]
+    assert _overflow_steps(log_dir) == [1, 5, 9, 13]

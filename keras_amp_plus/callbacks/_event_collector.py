@@ -18,6 +18,7 @@ layers nearest the loss; when the replay finds a layer whose inputs were
 finite and whose output was not, that layer is named (a forward overflow).
 """
 
+import dataclasses
 import logging
 
 from keras_amp_plus.callbacks import _attribution as attribution
@@ -46,12 +47,25 @@ class EventCollector:
         self.replay = replay
         self.recorder_cursor = 0
         self.scaler_cursor = 0
+        self.scaler_step_shift = 0
         self._replayed = {}
 
-    def set_cursors(self, recorder_cursor: int, scaler_cursor: int) -> None:
-        """Start reading after these counts (resume)."""
+    def set_cursors(
+        self, recorder_cursor: int, scaler_cursor: int, scaler_step_shift: int = 0
+    ) -> None:
+        """Start reading after these counts (a start or a resume).
+
+        Args:
+            recorder_cursor: the recorder's events already read.
+            scaler_cursor: our scaler's overflow count already read.
+            scaler_step_shift: added to our scaler's step numbers (its
+                `total_steps`) to number them as the monitor's record does:
+                a reloaded, reused or other model's optimizer counts its own
+                steps. Defaults to 0.
+        """
         self.recorder_cursor = recorder_cursor
         self.scaler_cursor = scaler_cursor
+        self.scaler_step_shift = scaler_step_shift
 
     def collect(self, epoch: int) -> list[dict]:
         """Return the events recorded since the last call, attributed."""
@@ -72,7 +86,7 @@ class EventCollector:
                 self.scaler_cursor = current
             records = optimizer.read_records(self.scaler_cursor)
             self.scaler_cursor = current
-            return records
+            return [self._in_record_steps(record) for record in records]
         records, count = self.recorder.read_records(self.recorder_cursor)
         lost = count - self.recorder_cursor - len(records)
         if lost:
@@ -85,8 +99,15 @@ class EventCollector:
         self.recorder_cursor = count
         return records
 
+    def _in_record_steps(self, record):
+        """Return our scaler's `record` with its step numbered as the record's."""
+        step = record.step + self.scaler_step_shift
+        return dataclasses.replace(record, step=step)
+
     def _forward_culprit(self):
         step, batches = self.recorder.stashed_batches()
+        if step and isinstance(self.model.optimizer, LossScaleOptimizer):
+            step += self.scaler_step_shift  # stashed at our scaler's step
         if not batches or not self.replay:
             return step, {"layer": None, "reason": "no_replay"}
         if step not in self._replayed:

@@ -149,7 +149,6 @@ class MonitorSession:
                 previous = snapshots[max(snapshots)] if snapshots else None
                 state_module.clear_state(self.write_dir)
                 snapshots = {}
-                state.scaler_events = self._scaler_count()
                 if previous is not None:
                     # A new run after earlier ones in this log_dir: new run
                     # number, TensorBoard steps continue after theirs.
@@ -165,7 +164,15 @@ class MonitorSession:
         memory.resume(state)
         self.editor.set_state(state.adaptation.get("editor", {}))
         self.recorder.restore_counters(state.total_steps, state.recorder_events)
-        self.collector.set_cursors(state.recorder_events, state.scaler_events)
+        # Our scaler's counts are its own: a reloaded earlier checkpoint, an
+        # optimizer reused or another model's may be behind or ahead of the
+        # record. Its events from now on are new, numbered as the record's.
+        state.scaler_events = self._scaler_count()
+        self.collector.set_cursors(
+            state.recorder_events,
+            state.scaler_events,
+            scaler_step_shift=state.total_steps - self._scaler_steps(),
+        )
         # A new run appends; a resumed one cuts the interrupted epoch's lines.
         self.log.open(keep_lines=state.jsonl_lines if continuing else None)
         # A graph engine switches its rewrite on even with empty lists.
@@ -179,6 +186,12 @@ class MonitorSession:
         if self.recorder.kind != SCALER_KAP:
             return 0
         return int(self.model.optimizer.overflow_count.numpy())
+
+    def _scaler_steps(self) -> int:
+        """Return our scaler's step count (the record's own without it)."""
+        if self.recorder.kind != SCALER_KAP:
+            return int(self.recorder.total_steps.numpy())
+        return int(self.model.optimizer.total_steps.numpy())
 
     # -- per step / per epoch ----------------------------------------------------
     def begin_epoch(self, epoch: int) -> None:

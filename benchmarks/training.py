@@ -7,7 +7,10 @@ Two small models, trained with Keras's `fit` on random data:
   LayerNormalization after each residual), average pooling, softmax head;
   width 512, sequence 128, batch 16 (BERT-small-like);
 - "cnn": three convolutions, each followed by InstanceNormalization and
-  Swish, average pooling, softmax head.
+  Swish, average pooling, softmax head;
+- "fcn" (only with `--models`): the same CNN as a fully convolutional model,
+  `keras.Input((None, None, 3))`, whose step is traced for any image size,
+  as image-to-image and style-transfer networks are written.
 
 Variants, each with `jit_compile` off and on:
 
@@ -42,7 +45,7 @@ unknown batch size, as it does for most real input pipelines (its JSON gets a
 `_tfdata` suffix).
 
 Usage: python benchmarks/training.py [--quick] [--rounds N] [--steps N]
-    [--models transformer cnn] [--pipeline numpy|tfdata]
+    [--models transformer cnn fcn] [--pipeline numpy|tfdata]
     [--variants float32 ours_fp32 ...] [--output PATH]
 """
 
@@ -108,10 +111,15 @@ def transformer(ours, size):
     return keras.Model(tokens, outputs)
 
 
-def cnn(ours, size):
-    """A small convolutional classifier with instance normalization."""
+def cnn(ours, size, image_size=None):
+    """A small convolutional classifier with instance normalization.
+
+    `image_size` None: the input's height and width are the size's
+    `"image"`; "any": unknown (a fully convolutional model).
+    """
     _, instance_norm, swish = layer_set(ours)
-    images = keras.Input((size["image"], size["image"], 3))
+    side = None if image_size == "any" else size["image"]
+    images = keras.Input((side, side, 3))
     x = images
     for filters, strides in ((32, 1), (64, 2), (128, 2)):
         x = keras.layers.Conv2D(filters, 3, strides=strides, padding="same")(x)
@@ -168,8 +176,7 @@ class Variant:
         keras.config.set_dtype_policy(policy)
         try:
             keras.utils.set_random_seed(0)
-            build = transformer if model_name == "transformer" else cnn
-            self.model = build(name in OUR_LAYERS, size)
+            self.model = BUILDERS[model_name](name in OUR_LAYERS, size)
         finally:
             keras.config.set_dtype_policy(previous)
         optimizer = keras.optimizers.Adam(1e-4)
@@ -277,10 +284,18 @@ SIZES = {
     # not a toy dominated by per-op overhead.
     "transformer": {"blocks": 2, "length": 128, "width": 512, "batch": 16},
     "cnn": {"image": 64, "batch": 16},
+    "fcn": {"image": 64, "batch": 16},
 }
 QUICK_SIZES = {
     "transformer": {"blocks": 1, "length": 32, "width": 64, "batch": 8},
     "cnn": {"image": 16, "batch": 4},
+    "fcn": {"image": 16, "batch": 4},
+}
+DEFAULT_MODELS = ("transformer", "cnn")
+BUILDERS = {
+    "transformer": transformer,
+    "cnn": cnn,
+    "fcn": lambda ours, size: cnn(ours, size, image_size="any"),
 }
 
 
@@ -289,7 +304,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="default 4")
     parser.add_argument("--steps", type=int, default=None, help="default 6")
-    parser.add_argument("--models", nargs="+", default=list(SIZES), choices=SIZES)
+    parser.add_argument(
+        "--models", nargs="+", default=list(DEFAULT_MODELS), choices=SIZES
+    )
     parser.add_argument(
         "--pipeline",
         choices=("numpy", "tfdata"),

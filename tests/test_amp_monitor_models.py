@@ -13,6 +13,7 @@ in float16).
 """
 
 import json
+import logging
 import os
 
 import keras
@@ -347,3 +348,76 @@ def test_a_fit_interrupted_under_xla_leaves_no_xla_for_a_later_plain_fit():
     traced_in_xla.clear()
     model.fit(x, y, batch_size=32, verbose=0)
     assert traced_in_xla == [False]
+
+
+def _wide_then_nested(with_input):
+    """A float32 layer's outputs of order 1e6 enter a nested model.
+
+    With `keras.Input` the nested model hands them on as they are, and its
+    first layer's cast to float16 overflows; without one, Keras built it for
+    its first layer's float16 and casts them at its boundary.
+    """
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inner = [keras.layers.Rescaling(1e-6, name="scale_in"), keras.layers.Dense(8)]
+    if with_input:
+        inner.insert(0, keras.Input((8,)))
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(
+                8,
+                name="wide",
+                dtype="float32",
+                trainable=False,
+                kernel_initializer=keras.initializers.Constant(3e5),
+            ),
+            keras.Sequential(inner, name="backbone"),
+            keras.layers.Dense(1, name="head"),
+        ]
+    )
+    model.compile(LossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse")
+    return model
+
+
+def _fit_with_monitor(model, log_dir, epochs):
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.5, 1.0, (32, 4)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    monitor = AMPMonitor(log_dir, deny_threshold=1, patience=50)
+    history = model.fit(
+        x, y, batch_size=8, epochs=epochs, verbose=0, callbacks=[monitor]
+    )
+    with open(os.path.join(log_dir, "amp_events.jsonl")) as f:
+        return monitor, history, [json.loads(line) for line in f]
+
+
+def test_an_overflowing_cast_inside_a_nested_model_names_its_layer(tmp_path):
+    # The nested model's output is the first non-finite output, but its
+    # first layer's cast overflowed: that layer is denied, not every layer
+    # of the nested model, and training goes on.
+    model = _wide_then_nested(with_input=True)
+    monitor, history, records = _fit_with_monitor(model, str(tmp_path), epochs=3)
+    forward = [r for r in records if r.get("direction") == "forward"]
+    assert {tuple(r["layers"]) for r in forward} == {("backbone/scale_in",)}
+    assert all(r["evidence"].endswith("input_cast") for r in forward)
+    assert {r["epoch"] for r in forward} == {0}
+    assert monitor.lists.deny_layers == ("backbone/scale_in",)
+    assert np.isfinite(history.history["loss"][-1])
+    dense = model.get_layer("backbone").layers[-1]
+    assert dense.compute_dtype == "float16"
+
+
+def test_a_denial_that_cannot_take_effect_is_said_loudly(tmp_path, caplog):
+    # Without `keras.Input` the nested model casts at its boundary, which no
+    # dtype policy changes: the denied layer keeps overflowing, and the
+    # monitor says so (once), in the log and in amp_events.jsonl.
+    model = _wide_then_nested(with_input=False)
+    with caplog.at_level(logging.WARNING, logger="keras_amp_plus"):
+        monitor, history, records = _fit_with_monitor(model, str(tmp_path), epochs=3)
+    assert monitor.lists.deny_layers == ("backbone",)
+    assert history.history["overflow_events"][1:] == [4, 4]
+    said = [r for r in records if r["type"] == "denial_without_effect"]
+    assert [(r["epoch"], r["layer"]) for r in said] == [(1, "backbone")]
+    warnings = [r.message for r in caplog.records if "still overflows" in r.message]
+    assert len(warnings) == 1 and "keras.Input" in warnings[0]

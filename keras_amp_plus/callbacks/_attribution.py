@@ -15,7 +15,9 @@ of the offending step is replayed eagerly with every layer's `call` wrapped, and
 the first layer, in the order the calls finish, whose inputs are finite but
 whose output is not is the one that overflowed: calls finish from the inside
 out, so this is the innermost such layer (MultiHeadAttention itself when its
-attention scores, computed between its sublayers, overflow). Layers are
+attention scores, computed between its sublayers, overflow), or the layer
+inside it whose cast of those inputs overflowed (a nested model's first
+layer: `_cast_overflow_inside`). Layers are
 wrapped through an instance attribute restored in `finally`, and non-trainable
 variables (batch norm statistics, seed generator states) are put back after the
 replay, so the replay leaves no trace in the model.
@@ -100,6 +102,33 @@ def _all_finite(structure) -> bool:
     return True
 
 
+def _cast_overflow_inside(inputs, inside):
+    """Return the layer called inside a container that overflowed casting its inputs.
+
+    A nested model hands its finite float32 inputs to its first layer, whose
+    cast to float16 overflows: the container's output is the first
+    non-finite output, but the layer is to blame. That is the first layer
+    called inside (`inside`: `(layer, inputs finite)` in call order) whose
+    inputs were not finite, where the container's own inputs, cast to that
+    layer's compute dtype, are not finite either; else None (the inputs
+    went bad between the layers, as attention scores inside
+    `MultiHeadAttention` do: the container is to blame).
+    """
+    layer = next((layer for layer, finite in inside if not finite), None)
+    if layer is None:
+        return None
+    dtype = keras.backend.standardize_dtype(layer.compute_dtype)
+
+    def cast(value):
+        if isinstance(value, (tf.Tensor, tf.Variable, np.ndarray)):
+            tensor = tf.convert_to_tensor(value)
+            if tensor.dtype.is_floating:
+                return tf.cast(tensor, dtype)
+        return value
+
+    return None if _all_finite(tf.nest.map_structure(cast, inputs)) else layer
+
+
 def find_forward_overflow(model, data, layers, name=None) -> dict:
     """Replay `data` through `model` and return where the forward pass overflowed.
 
@@ -129,9 +158,15 @@ def find_forward_overflow(model, data, layers, name=None) -> dict:
 
         def probed_call(*args, **kwargs):
             inputs_finite = _all_finite((args, kwargs))
+            first_inside = len(entered) + 1
             entered.append((layer, inputs_finite))
             outputs = original(*args, **kwargs)
-            finished.append((layer, inputs_finite, _all_finite(outputs)))
+            cast_inside = None
+            if inputs_finite:
+                cast_inside = _cast_overflow_inside(
+                    (args, kwargs), entered[first_inside:]
+                )
+            finished.append((layer, inputs_finite, _all_finite(outputs), cast_inside))
             return outputs
 
         return probed_call
@@ -152,8 +187,10 @@ def find_forward_overflow(model, data, layers, name=None) -> dict:
             model.non_trainable_variables, saved_state, strict=True
         ):
             variable.assign(value)
-    for layer, inputs_finite, outputs_finite in finished:
+    for layer, inputs_finite, outputs_finite, cast_inside in finished:
         if inputs_finite and not outputs_finite:
+            if cast_inside is not None:
+                return {"layer": name(cast_inside), "reason": "input_cast"}
             path = name(layer)
             if not _all_finite([tf.convert_to_tensor(w) for w in layer.weights]):
                 # Weights already broken by an earlier unguarded update: the

@@ -1,8 +1,9 @@
 """Where the monitor writes: TensorBoard run `<log_dir>/amp`, a JSON-lines file.
 
 `amp_events.jsonl` holds one JSON object per line: an overflow event
-(`"type": "overflow"`), a list change (`"type": "list_change"`) or a loss scale
-put back after a denial (`"type": "scale_restored"`), each with the number of
+(`"type": "overflow"`), a list change (`"type": "list_change"`), a loss scale
+put back after a denial (`"type": "scale_restored"`) or a denied layer that
+still overflows (`"type": "denial_without_effect"`), each with the number of
 the run (`"run"`) that wrote it; runs in one directory are appended. Every line
 is flushed when written, so a crash loses nothing already reported, and the
 file can be cut back to a known line count when an interrupted `fit` resumes.

@@ -33,6 +33,18 @@ GUARD_ADVICE = (
     "and records every non-finite step (scale fixed at 1, free for bfloat16)."
 )
 
+DENIAL_WITHOUT_EFFECT = (
+    "AMPMonitor epoch %d: layer %r runs in float32 (on the deny list) and its "
+    "forward pass still overflows (%s), so every such step is skipped. A "
+    "denial cannot reach a cast Keras makes outside the layer's dtype policy: "
+    "a nested `keras.Sequential` built without `keras.Input` casts its inputs "
+    "to the compute dtype its first layer had when it was built (float16 "
+    "under `mixed_float16`), whatever its layers' policies are now. Start the "
+    "nested model with `keras.Input(shape)` (float32 inputs), or bring the "
+    "inputs into the 16-bit range before the model (e.g. rescale them in the "
+    "input pipeline)."
+)
+
 
 class StepCache:
     """The instrumented train function of the last `fit`, for the next one.
@@ -371,6 +383,7 @@ class MonitorSession:
                 count - forward,
             )
         forward = [e for e in events if e["direction"] == "forward"]
+        self._warn_denial_without_effect(epoch, forward)
         if (
             forward
             and self.recorder.kind == SCALER_NONE
@@ -378,6 +391,27 @@ class MonitorSession:
         ):
             logger.warning(GUARD_ADVICE, len(forward), epoch)
             state.guard_recommended = True
+
+    def _warn_denial_without_effect(self, epoch, forward_events) -> None:
+        """Warn (once per layer) of forward overflows of a layer already denied."""
+        denied = self.editor.denied_layers(self.model, self.memory.lists)
+        state = self.memory.state
+        warned = state.adaptation.setdefault("denials_without_effect", [])
+        for event in forward_events:
+            for layer in event["layers"]:
+                if layer not in denied or layer in warned:
+                    continue
+                warned.append(layer)
+                self.log.write_record(
+                    {
+                        "type": "denial_without_effect",
+                        "epoch": epoch,
+                        "run": state.run,
+                        "layer": layer,
+                        "evidence": event["evidence"],
+                    }
+                )
+                logger.warning(DENIAL_WITHOUT_EFFECT, epoch, layer, event["evidence"])
 
     def adapt(self, epoch, evidence) -> list:
         """Apply the adaptation rule; return the list changes made."""

@@ -72,7 +72,8 @@ def cpu_kind(machine: dict) -> str:
 
 
 # AMD family 25 (0x19) holds Zen 3 and Zen 4 by model range; 23 (0x17)
-# holds Zen 1 and Zen 2; 26 (0x1A) is Zen 5.
+# holds Zen 1 and Zen 2; 26 (0x1A) Zen 5 and, at other models, Zen 6 (left
+# untagged: unknown models get no generation rather than a wrong one).
 _AMD_GENERATIONS = {
     23: ((0x00, 0x2F, "zen1"), (0x30, 0xFF, "zen2")),
     25: (
@@ -81,7 +82,7 @@ _AMD_GENERATIONS = {
         (0x20, 0x5F, "zen3"),
         (0x60, 0xAF, "zen4"),
     ),
-    26: ((0x00, 0xFF, "zen5"),),
+    26: ((0x00, 0x2F, "zen5"), (0x40, 0x4F, "zen5"), (0x60, 0x7F, "zen5")),
 }
 
 

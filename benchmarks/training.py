@@ -9,8 +9,9 @@ Two small models, trained with Keras's `fit` on random data:
 - "cnn": three convolutions, each followed by InstanceNormalization and
   Swish, average pooling, softmax head;
 - "fcn" (only with `--models`): the same CNN as a fully convolutional model,
-  `keras.Input((None, None, 3))`, whose step is traced for any image size,
-  as image-to-image and style-transfer networks are written.
+  `keras.Input((None, None, 3))`, fed images of unknown size (a tf.data
+  pipeline, `any_image_size`), so that its step is traced for any image
+  size, as image-to-image and style-transfer networks are often trained.
 
 Variants, each with `jit_compile` off and on:
 
@@ -140,6 +141,22 @@ def data(model_name, size, steps):
     return x, rng.integers(0, CLASSES, count)
 
 
+def any_image_size(x, y, batch, pipeline):
+    """Return `(x, y)` as a tf.data pipeline of images of unknown height and width.
+
+    As decoded images of any size come: `fit` then traces the step for any
+    image size (NumPy arrays of one size would trace that size). Batched
+    with `drop_remainder` unless `pipeline` is "tfdata".
+    """
+
+    def unknown_size(image, label):
+        shape = [None, None, image.shape[-1]]
+        return tf.compat.v1.placeholder_with_default(image, shape), label
+
+    images = tf.data.Dataset.from_tensor_slices((x, y)).map(unknown_size)
+    return images.batch(batch, drop_remainder=pipeline != "tfdata")
+
+
 class EpochTimer(keras.callbacks.Callback):
     """Process CPU time of each epoch from its second batch to its end."""
 
@@ -220,6 +237,8 @@ def run_model(
     if pipeline == "tfdata":
         # Batched without drop_remainder: `fit` traces an unknown batch size.
         batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(size["batch"])
+    if model_name == "fcn":
+        batches = any_image_size(x, y, size["batch"], pipeline)
     variants = [
         Variant(model_name, name, jit, size, log_root)
         for jit in (False, True)

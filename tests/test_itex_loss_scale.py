@@ -207,3 +207,36 @@ def test_records_and_scale_survive_a_keras_file(tmp_path):
     assert list(before.pop("by_variable").values()) == [1, 1]
     assert after == before
     assert int(loaded.optimizer.total_steps.numpy()) == 2
+
+
+@pytest.mark.parametrize("with_input", [True, False], ids=["input", "no input"])
+def test_replay_names_the_nested_layer_whose_cast_overflowed(with_input):
+    # Keras 2.15 too: the first layer inside a nested model whose float16
+    # cast of the model's finite inputs overflowed is named (`input_cast`);
+    # values that go bad between the layers name the container.
+    from keras_amp_plus.callbacks import _attribution
+
+    _compat.set_global_policy("mixed_float16")
+    try:
+        inner = [keras.layers.Dense(2, name="first"), keras.layers.Dense(2)]
+        if with_input:
+            inner.insert(0, keras.Input((2,)))
+        backbone = keras.Sequential(inner, name="backbone")
+        model = keras.Sequential([keras.Input((2,)), backbone])
+        index = _attribution.LayerIndex(model)
+        big = np.full((1, 2), 1e6, "float32")  # finite, beyond float16
+        found = _attribution.find_forward_overflow(
+            model, (big,), index.layers, index.chain
+        )
+        assert found["reason"] == "input_cast"
+        assert found["layer"] in ("backbone/first", "backbone")
+        if with_input:
+            assert found["layer"] == "backbone/first"
+        first = backbone.get_layer("first")
+        first.kernel.assign(np.full((2, 2), 1e5, "float32"))
+        found = _attribution.find_forward_overflow(
+            model, (np.ones((1, 2), "float32"),), index.layers, index.chain
+        )
+        assert found == {"layer": "backbone/first", "reason": "output"}
+    finally:
+        _compat.set_global_policy("float32")

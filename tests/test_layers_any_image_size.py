@@ -26,6 +26,7 @@ from keras_amp_plus.layers import (
     _path_calibration,
     _path_choice,
     _per_sample_batch_norm,
+    _size_switch,
 )
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -151,10 +152,30 @@ def _fully_convolutional(normalization):
     return keras.Model(images, x)
 
 
+def _noting(switch, name, switches):
+    """`switch`, noting its name and the input's traced shape in `switches`."""
+
+    def noted(*args):
+        switches.append((name, tuple(args[0].shape.as_list())))
+        return switch(*args)
+
+    return noted
+
+
+def _images_of_any_size(image, target):
+    """As decoded images come: their height and width unknown when traced."""
+    return tf.compat.v1.placeholder_with_default(image, [None, None, 3]), target
+
+
 def test_fit_of_a_fully_convolutional_model_trains_like_keras(monkeypatch):
     # Images of two sizes, each a dataset of its own with a partial last
-    # batch: one step traced for any image size, four paths taken.
+    # batch: one step traced for any image size, three paths taken.
     ran = _record_paths(monkeypatch)
+    switches = []
+    for name in ("switch_on_sample_size", "switch_on_batch_size"):
+        monkeypatch.setattr(
+            _size_switch, name, _noting(getattr(_size_switch, name), name, switches)
+        )
     use_policy("float32")
     models = [
         _fully_convolutional(layers.InstanceNormalization(epsilon=1e-3)),
@@ -166,13 +187,18 @@ def test_fit_of_a_fully_convolutional_model_trains_like_keras(monkeypatch):
     for size in (6, 16):  # 144 and 1024 elements per sample
         x = rng.normal(2.0, 1.5, (5, size, size, 3)).astype("float32")
         y = rng.normal(0.0, 1.0, (5, size, size, 1)).astype("float32")
-        datasets.append(tf.data.Dataset.from_tensor_slices((x, y)).batch(3))
+        images = tf.data.Dataset.from_tensor_slices((x, y))
+        datasets.append(images.map(_images_of_any_size).batch(3))
     for model in models:
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         for data in datasets:
             model.fit(data, epochs=2, verbose=0)
     # 6x6 images: batches of 3 (432 elements, per sample cannot run: the
     # batch-norm kernel) and 2 (288: the formula); 16x16: per sample.
+    # `fit` traced its step for any batch and image size only (never for
+    # the size of a dataset's images), and that ran every path.
+    any_size = ("switch_on_sample_size", (None, None, None, CHANNELS))
+    assert switches and set(switches) == {any_size}
     forward = [path for direction, path in ran if direction == "forward"]
     assert forward.count(BATCH_NORM) == 2 and forward.count(FORMULA) == 2
     assert forward.count(PER_SAMPLE) == 4
@@ -203,3 +229,18 @@ def _traced(choose):
     found = []
     tf.function(lambda: found.append(choose()) or tf.constant(0))()
     return found[0]
+
+
+@pytest.mark.parametrize("height", (4, 16), ids=("formula", "per sample"))
+def test_an_empty_batch_of_any_image_size_normalizes_to_an_empty_batch(height):
+    # A replica's share of a partial batch under tf.distribute can be empty;
+    # large samples take the per-sample loop whatever the batch size.
+    use_policy("float32")
+    layer = layers.InstanceNormalization()
+    layer.build((None, None, None, CHANNELS))
+    step = _any_size_step(layer, None, tf.float32)
+    empty = tf.zeros((0, height, height, CHANNELS))
+    outputs, (x_grad, gamma_grad, beta_grad) = step(empty, empty)
+    assert outputs.shape == x_grad.shape == empty.shape
+    np.testing.assert_array_equal(gamma_grad, np.zeros(CHANNELS))
+    np.testing.assert_array_equal(beta_grad, np.zeros(CHANNELS))

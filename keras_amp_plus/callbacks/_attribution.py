@@ -108,16 +108,16 @@ def _cast_overflow_inside(inputs, inside):
     A nested model hands its finite float32 inputs to its first layer, whose
     cast to float16 overflows: the container's output is the first
     non-finite output, but the layer is to blame. That is the first layer
-    called inside (`inside`: `(layer, inputs finite)` in call order) whose
-    inputs were not finite, where the container's own inputs, cast to that
-    layer's compute dtype, are not finite either; else None (the inputs
-    went bad between the layers, as attention scores inside
-    `MultiHeadAttention` do: the container is to blame).
+    called inside (`inside`: `(layer, inputs finite)` in call order) when its
+    inputs were not finite and the container's own inputs, cast to that
+    layer's compute dtype, are not finite either; else None (the values went
+    bad between the layers, as attention scores inside `MultiHeadAttention`
+    do: the container is to blame).
     """
-    layer = next((layer for layer, finite in inside if not finite), None)
-    if layer is None:
+    if not inside or inside[0][1]:
         return None
-    dtype = keras.backend.standardize_dtype(layer.compute_dtype)
+    layer = inside[0][0]
+    dtype = tf.as_dtype(layer.compute_dtype)
 
     def cast(value):
         if isinstance(value, (tf.Tensor, tf.Variable, np.ndarray)):

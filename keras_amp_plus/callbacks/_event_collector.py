@@ -82,8 +82,12 @@ class EventCollector:
             current = int(optimizer.overflow_count.numpy())
             if current < self.scaler_cursor:
                 # The optimizer was reset or replaced (e.g. weights loaded
-                # without its variables): read from its current count on.
+                # without its variables): read from its current count on,
+                # its steps numbered after the record's.
                 self.scaler_cursor = current
+                self.scaler_step_shift = int(self.recorder.total_steps.numpy()) - int(
+                    optimizer.total_steps.numpy()
+                )
             records = optimizer.read_records(self.scaler_cursor)
             self.scaler_cursor = current
             return [self._in_record_steps(record) for record in records]

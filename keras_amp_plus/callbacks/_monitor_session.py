@@ -34,15 +34,23 @@ GUARD_ADVICE = (
 )
 
 DENIAL_WITHOUT_EFFECT = (
-    "AMPMonitor epoch %d: layer %r runs in float32 (on the deny list) and its "
-    "forward pass still overflows (%s), so every such step is skipped. A "
-    "denial cannot reach a cast Keras makes outside the layer's dtype policy: "
-    "a nested `keras.Sequential` built without `keras.Input` casts its inputs "
-    "to the compute dtype its first layer had when it was built (float16 "
-    "under `mixed_float16`), whatever its layers' policies are now. Start the "
-    "nested model with `keras.Input(shape)` (float32 inputs), or bring the "
-    "inputs into the 16-bit range before the model (e.g. rescale them in the "
-    "input pipeline)."
+    "AMPMonitor epoch %d: layer %r is on the deny list and its forward pass "
+    "still overflows (%s)%s. %s"
+)
+# Why, by the replay's reason.
+CAST_OUTSIDE_THE_LAYER = (
+    "A denial cannot reach a cast Keras makes outside the layer's dtype "
+    "policy: a nested `keras.Sequential` built without `keras.Input` casts "
+    "its inputs to the compute dtype its first layer had when it was built "
+    "(float16 under `mixed_float16`), whatever its layers' policies are now. "
+    "Start the nested model with `keras.Input(shape)` (float32 inputs), or "
+    "bring the inputs into the 16-bit range before the model (e.g. rescale "
+    "them in the input pipeline)."
+)
+OVERFLOW_IN_FLOAT32 = (
+    "Its output is not finite in float32 either: the values themselves "
+    "diverge, which no precision fixes. Check the inputs, lower the learning "
+    "rate or clip the gradients."
 )
 
 
@@ -411,7 +419,15 @@ class MonitorSession:
                         "evidence": event["evidence"],
                     }
                 )
-                logger.warning(DENIAL_WITHOUT_EFFECT, epoch, layer, event["evidence"])
+                cast = event["evidence"].endswith("input_cast")
+                logger.warning(
+                    DENIAL_WITHOUT_EFFECT,
+                    epoch,
+                    layer,
+                    event["evidence"],
+                    ", so every such step is skipped" if self.has_scaler() else "",
+                    CAST_OUTSIDE_THE_LAYER if cast else OVERFLOW_IN_FLOAT32,
+                )
 
     def adapt(self, epoch, evidence) -> list:
         """Apply the adaptation rule; return the list changes made."""

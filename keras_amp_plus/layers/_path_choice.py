@@ -39,6 +39,11 @@ measured by `benchmarks/layers.py` on each kind of machine:
   than Keras's formula: then the formula; and float32 instance norms with
   oneDNN off run the formula, as in steps of a known batch size), or where
   other sizes vary too (row buckets).
+- In a graph step traced for any image size (an instance norm whose sample
+  size is unknown at trace time), per sample from `LARGE_SAMPLE_ELEMENTS`
+  elements a sample, below it the winners measured in steps of any batch
+  size for the input's size (`paths_by_sample_size`), switched at run time.
+  A forced `per_sample_batch_norm` runs per sample there at every size.
 - float16 instance norms in graph steps on a CPU without float16 arithmetic
   (no AVX512-FP16 or AMX-FP16) never take the kernels, measured or not:
   there XLA's float16 code made them slower than Keras's layer at most
@@ -137,7 +142,9 @@ def normalization_path(
 
     Args:
         elements: the input's number of elements, or None when unknown at
-            trace time (variable shapes: the kernels, padded to row buckets).
+            trace time (variable shapes: the kernels, padded to row buckets
+            where that applies; instance norms of any image size are chosen
+            by `paths_by_sample_size` instead).
         trailing_statistics: whether the statistics are taken over the
             input's trailing axes (layer norm) rather than middle ones
             (instance norm). Defaults to `True`.

@@ -35,7 +35,10 @@ def applies(x, gamma, epsilon, stat_axes) -> bool:
     """Return True when `x` can be normalized one sample at a time.
 
     That is where `_batch_norm_formula.applies`, with at least
-    `MIN_SAMPLE_ELEMENTS` elements per sample, known at trace time.
+    `MIN_SAMPLE_ELEMENTS` elements per sample, known at trace time. Samples
+    of a size unknown at trace time (any image size) may run it too: the
+    run-time switch decides by their size
+    (`_path_choice.paths_by_sample_size`).
     """
     if not _batch_norm_formula.applies(x, gamma, epsilon, stat_axes):
         return False
@@ -150,7 +153,7 @@ def _over_samples(fn, tensors, specs, kept=0):
         results = zip(*(results for results, _ in calls), strict=True)
         return [tf.stack(parts) for parts in results], calls[-1][1]
     count = tf.shape(tensors[0])[0]
-    # Known element shapes: an empty batch stacks to an empty tensor.
+    # Element shapes as known (`_stacked`): an empty batch stacks to no rows.
     arrays = tuple(
         tf.TensorArray(dtype, size=count, element_shape=shape) for dtype, shape in specs
     )
@@ -169,7 +172,21 @@ def _over_samples(fn, tensors, specs, kept=0):
     _, arrays, last = tf.while_loop(
         lambda i, *_: i < count, body, (0, arrays, last), shape_invariants=invariants
     )
-    return [array.stack() for array in arrays], last
+    return [_stacked(array, count) for array in arrays], last
+
+
+def _stacked(array, count):
+    """Return `array.stack()`, also for an empty array of a partly known shape.
+
+    An element shape known at trace time stacks an empty array to an empty
+    tensor; one with an unknown sample size (any image size) cannot, so an
+    empty batch (a replica's share of a partial batch) gets zeros of no rows.
+    """
+    shape = array.element_shape
+    if shape.is_fully_defined():
+        return array.stack()
+    empty = [0, *(size or 0 for size in shape)]
+    return tf.cond(count > 0, array.stack, lambda: tf.zeros(empty, array.dtype))
 
 
 def _sample_shape(x):

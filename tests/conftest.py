@@ -561,3 +561,21 @@ def counting_runs(function, ran, key):
             return (tf.identity(first), *rest)
 
     return counted
+
+
+def normalization_step(layer, spec):
+    """A graph step of `layer` for inputs of `spec`: outputs and the gradients.
+
+    The gradients w.r.t. the input, `gamma` and `beta`, for a given upstream
+    gradient (the step's second argument, of the same spec).
+    """
+
+    @tf.function(input_signature=[spec, spec])
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = layer(x)
+        sources = [x, layer.gamma, layer.beta]
+        return outputs, tape.gradient(outputs, sources, output_gradients=upstream)
+
+    return step

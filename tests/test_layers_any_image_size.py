@@ -16,6 +16,7 @@ from conftest import (
     counting_runs,
     float_inputs,
     normalization_reference,
+    normalization_step,
     set_random_weights,
     use_policy,
 )
@@ -71,17 +72,9 @@ def _record_paths(monkeypatch):
 
 
 def _any_size_step(layer, batch, compute):
-    spec = tf.TensorSpec((batch, None, None, CHANNELS), compute)
-
-    @tf.function(input_signature=[spec, spec])
-    def step(x, upstream):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            outputs = layer(x)
-        sources = [x, layer.gamma, layer.beta]
-        return outputs, tape.gradient(outputs, sources, output_gradients=upstream)
-
-    return step
+    return normalization_step(
+        layer, tf.TensorSpec((batch, None, None, CHANNELS), compute)
+    )
 
 
 # (batch, height, width): elements per sample = height * width * 4.

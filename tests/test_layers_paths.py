@@ -19,6 +19,7 @@ from conftest import (
     counting_runs,
     float_inputs,
     normalization_reference,
+    normalization_step,
     set_random_weights,
     swish_reference,
     use_policy,
@@ -142,15 +143,7 @@ def _check_path_of_each_batch(make_layer, sample, stat_axes, small, large, polic
         params = (1,) * len(sample) + (sample[-1],)
         gamma = np.reshape(as_float64(layer.gamma), params)
         beta = np.reshape(as_float64(layer.beta), params)
-        spec = tf.TensorSpec((None, *sample), compute)
-
-        @tf.function(input_signature=[spec, spec])
-        def step(x, upstream):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                outputs = layer(x)
-            sources = [x, layer.gamma, layer.beta]
-            return outputs, tape.gradient(outputs, sources, output_gradients=upstream)
+        step = normalization_step(layer, tf.TensorSpec((None, *sample), compute))
 
         # 256 elements per sample: batches of 2 and 3 are small, 6 large.
         for batch, path in ((2, small), (6, large), (3, small)):

@@ -9,7 +9,8 @@ kind and shape of a grid of shapes real models use:
   the 2-D rows);
 - InstanceNormalization vs `keras.layers.GroupNormalization(groups=-1)`,
   NHWC from 8 x 16 x 16 x 32 to 32 x 64 x 64 x 128;
-- Swish vs `keras.layers.Activation("swish")`, 0.5M to 32M elements;
+- Swish vs `keras.layers.Activation("swish")`, 0.5M to 32M elements, rows x
+  features fed as sequences too (a transformer's feed-forward activations);
 
 one forward + backward step (gradients w.r.t. the input and every weight,
 upstream gradient given) is wrapped in a `tf.function` ("graph" step), in one
@@ -120,8 +121,8 @@ QUICK_GRID = {
 
 
 def fed_shape(kind, shape, sequence):
-    """Return the input shape of a cell: layer norm's rows split into sequences."""
-    rows, features = shape if kind == "LN" else (None, None)
+    """Return the input shape of a cell: rows x features split into sequences."""
+    rows, features = shape if kind in ("LN", "Swish") else (None, None)
     if not sequence or rows is None or rows % sequence:
         return tuple(shape)
     return (rows // sequence, sequence, features)

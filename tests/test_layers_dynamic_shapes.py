@@ -189,3 +189,65 @@ def test_variable_length_swish_matches_float64(policy):
             actual = np.asarray(tf.cast(actual, "float64"))
             scale = np.abs(wanted).max()
             np.testing.assert_allclose(actual, wanted, atol=TOLERANCE[compute] * scale)
+
+
+def _varying_length_step(layer, compute, with_gradients=True):
+    spec = tf.TensorSpec((None, None, FEATURES), compute)
+
+    @tf.function(input_signature=[spec, spec])
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = layer(x)
+        if not with_gradients:
+            return outputs
+        return outputs, tape.gradient(outputs, x, output_gradients=upstream)
+
+    return step
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_variable_length_swish_with_fixed_beta_matches_float64(policy):
+    # beta 1: in bfloat16 and float32 with oneDNN on, oneDNN's swish runs the
+    # forward pass unpadded and the backward pass pads what it needs itself.
+    keras.config.set_dtype_policy(policy)
+    compute = keras.config.dtype_policy().compute_dtype
+    step = _varying_length_step(layers.Swish(), compute)
+    rng = np.random.default_rng(1)
+    for length in (3, 4, 5, 4):  # 96, 128, 160, 128 elements; 128 again
+        x = tf.cast(rng.normal(0.0, 4.0, (2, length, FEATURES)), compute)
+        upstream = tf.cast(rng.normal(0.0, 1.0, (2, length, FEATURES)), compute)
+        outputs, x_grad = step(x, upstream)
+        assert outputs.shape == x.shape and x_grad.shape == x.shape
+        assert outputs.dtype == compute and x_grad.dtype == compute
+        expected = _swish_reference(
+            np.asarray(tf.cast(x, "float64")),
+            np.asarray(tf.cast(upstream, "float64")),
+            1.0,
+        )[:2]
+        for actual, wanted in zip((outputs, x_grad), expected, strict=True):
+            actual = np.asarray(tf.cast(actual, "float64"))
+            scale = np.abs(wanted).max()
+            np.testing.assert_allclose(actual, wanted, atol=TOLERANCE[compute] * scale)
+
+
+@pytest.mark.onednn  # oneDNN's fused swish (see conftest.py)
+@pytest.mark.parametrize("policy", ("float32", "mixed_bfloat16"))
+def test_variable_length_swish_inference_pays_no_padding(policy):
+    keras.config.set_dtype_policy(policy)
+    compute = keras.config.dtype_policy().compute_dtype
+    layer = layers.Swish()
+    inference = _varying_length_step(layer, compute, with_gradients=False)
+    training = _varying_length_step(layer, compute)
+    ops = {op.type for op in inference.get_concrete_function().graph.get_operations()}
+    assert "Pad" not in ops and {"Sigmoid", "Mul"} <= ops  # fused by grappler
+    ops = {op.type for op in training.get_concrete_function().graph.get_operations()}
+    assert "Pad" in ops  # the backward pass's XLA kernel is bucketed
+
+
+def test_variable_length_float16_swish_pads_in_the_forward_pass():
+    # No oneDNN swish for float16: its forward pass is the bucketed XLA kernel.
+    layer = layers.Swish(dtype="mixed_float16")
+    inference = _varying_length_step(layer, "float16", with_gradients=False)
+    ops = {op.type for op in inference.get_concrete_function().graph.get_operations()}
+    assert "Pad" in ops

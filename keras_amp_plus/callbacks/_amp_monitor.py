@@ -49,8 +49,9 @@ class AMPMonitor(keras.callbacks.Callback):
     An overflow counts against a layer (is *attributed*) when it is forward
     or happened at a trusted scale (`trusted_backward_scale`); backward
     overflows above it are the scaler's search for its scale and are logged
-    as such. After a denial fixes forward overflows the loss scale is put back
-    to where it was before them. Every run in one `log_dir` is appended to
+    as such. When layers are denied for forward overflows the loss scale is
+    put back to where it was before them (a layer denied in vain is said
+    once, as `"denial_without_effect"`). Every run in one `log_dir` is appended to
     `amp_events.jsonl` with its run number (`"run"`), and its TensorBoard
     steps continue after the previous run's.
 

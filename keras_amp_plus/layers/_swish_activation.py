@@ -53,19 +53,22 @@ def _swish_backward(upstream, x, beta, with_beta_grad):
     return _swish_gradients(upstream, x, beta, with_beta_grad)
 
 
-def _onednn_forward_applies(x, beta, with_beta_grad) -> bool:
+def _onednn_forward_applies(x, beta, with_beta_grad, dtypes=(tf.bfloat16,)) -> bool:
     """Return True where oneDNN's fused swish kernel can run the forward pass.
 
-    That is for bfloat16 inputs and a fixed `beta` of 1 in a graph step with
-    TensorFlow's oneDNN kernels and grappler's remapper on (on the Keras 3
-    stack: ITEX brings its own graph rewrites). Without the remapper the two
-    ops would run unfused: slower, and rounded twice.
+    That is for inputs of one of `dtypes` and a fixed `beta` of 1 in a graph
+    step with TensorFlow's oneDNN kernels and grappler's remapper on (on the
+    Keras 3 stack: ITEX brings its own graph rewrites). Without the remapper
+    the two ops would run unfused: slower, and rounded twice. The remapper
+    fuses float32 too, where XLA's kernel was faster for an input of known
+    shape; for one of varying shape oneDNN's saves the padding
+    (`_swish_of_varying_shape`).
     """
     options = tf.config.optimizer.get_experimental_options()
     remapper_on = options.get("remapping", True) is not False
     grappler_on = not options.get("disable_meta_optimizer", False)
     return (
-        x.dtype == tf.bfloat16
+        x.dtype in dtypes
         and not with_beta_grad
         and tf.get_static_value(beta) == 1.0
         and tf.inside_function()
@@ -177,9 +180,47 @@ def _swish_for_xla(x, beta, with_beta_grad):
     return tf.cast(tf.nn.silu(tf.cast(x, beta.dtype), beta), x.dtype)
 
 
+def _swish_of_varying_shape(x, beta, with_beta_grad):
+    """Swish of an input whose shape changes from step to step.
+
+    XLA compiles a kernel per input shape, so the kernels run on `x`
+    flattened and padded with zeros to a size bucket (`_row_buckets`: few
+    shapes, so few compilations). The forward pass pads `x`, or, where
+    oneDNN's fused swish can run it (bfloat16 and float32 with a fixed
+    `beta` of 1), runs on `x` itself, unpadded, and leaves the padding to the
+    backward pass; an inference step then pays none. The backward pass pads
+    the upstream gradient alike. One gradient spans the whole (not one per
+    pad and slice), so each pass copies each input at most once, and not at
+    all where the size is a bucket. Padded zeros add nothing to `beta`'s
+    gradient: their upstream gradient is zero.
+    """
+    onednn_forward = _onednn_forward_applies(
+        x, beta, with_beta_grad, dtypes=(tf.bfloat16, tf.float32)
+    )
+
+    @tf.custom_gradient
+    def swish_with_gradient(x, beta):
+        x_padded = None if onednn_forward else _row_buckets.flat_padded(x)
+
+        def grad(upstream):
+            kept = _row_buckets.flat_padded(x) if x_padded is None else x_padded
+            x_grad, beta_grad = _swish_backward(
+                _row_buckets.flat_padded(upstream), kept, beta, with_beta_grad
+            )
+            return _row_buckets.unpadded(x_grad, x), beta_grad
+
+        if onednn_forward:
+            return _onednn_swish_forward(x), grad
+        return _row_buckets.unpadded(_swish_forward(x_padded, beta), x), grad
+
+    return swish_with_gradient(x, beta)
+
+
 def _swish(x, beta, with_beta_grad):
     if _compat.in_xla_compiled_function():
         return _swish_for_xla(x, beta, with_beta_grad)
+    if _row_buckets.shapes_vary(x):
+        return _swish_of_varying_shape(x, beta, with_beta_grad)
 
     onednn_forward = _onednn_forward_applies(x, beta, with_beta_grad)
 
@@ -192,12 +233,6 @@ def _swish(x, beta, with_beta_grad):
             return _onednn_swish_forward(x), grad
         return _swish_forward(x, beta), grad
 
-    # XLA compiles per shape: bound the shapes of variable-length inputs.
-    # Padded zeros add nothing to beta's gradient (their upstream is zero).
-    if _row_buckets.shapes_vary(x):
-        return _row_buckets.elementwise_in_buckets(
-            lambda flat: swish_with_gradient(flat, beta), x
-        )
     return swish_with_gradient(x, beta)
 
 

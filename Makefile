@@ -37,7 +37,8 @@ test: $(PY)
 	$(PY) -m pytest tests
 	$(PY) -m pytest --nbmake notebooks
 
-BENCHMARKS := benchmarks/layers.py benchmarks/paths.py benchmarks/batch_switch.py \
+BENCHMARKS := benchmarks/layers.py benchmarks/paths.py benchmarks/variable_length.py \
+	benchmarks/batch_switch.py \
 	benchmarks/cpu_allocator.py benchmarks/training.py benchmarks/loss_scale.py \
 	benchmarks/finite_flags.py benchmarks/fused_update.py benchmarks/monitor.py
 
@@ -53,6 +54,7 @@ bench-itex: $(ITEX_PY)
 bench: $(PY)
 	$(PY) benchmarks/layers.py --control --floor
 	$(PY) benchmarks/paths.py --layers IN LN
+	$(PY) benchmarks/variable_length.py
 	$(PY) benchmarks/batch_switch.py
 	TF_ENABLE_ONEDNN_OPTS=0 $(PY) benchmarks/cpu_allocator.py
 	$(PY) benchmarks/training.py

@@ -61,6 +61,25 @@ def test_fit_trains_a_small_model(policy):
         assert summary["overflow_count"] == 0
 
 
+def test_learning_rate_callbacks_reach_the_inner_optimizer():
+    # ReduceLROnPlateau and LearningRateScheduler set `model.optimizer
+    # .learning_rate`: through the scaler, the inner optimizer's must change.
+    keras.config.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    optimizer = LossScaleOptimizer(keras.optimizers.Adam(0.1))
+    model.compile(optimizer, "mse")
+    x, y = regression_data(n=64)
+    plateau = keras.callbacks.ReduceLROnPlateau(
+        monitor="loss", factor=0.5, patience=0, min_delta=1e9, verbose=0
+    )  # no epoch after the first improves by 1e9: halved at epochs 1 and 2
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[plateau])
+    assert float(optimizer.inner_optimizer.learning_rate) == pytest.approx(0.025)
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch: 1e-3 * (epoch + 1))
+    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[schedule])
+    assert history.history["learning_rate"] == pytest.approx([1e-3, 2e-3])
+    assert float(optimizer.inner_optimizer.learning_rate) == pytest.approx(2e-3)
+
+
 def test_mixed_float16_backs_off_from_an_overflowing_scale_and_trains():
     keras.config.set_dtype_policy("mixed_float16")
     keras.utils.set_random_seed(0)

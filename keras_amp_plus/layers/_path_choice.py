@@ -233,19 +233,17 @@ def paths_by_batch_size(
     )
     if fixed is not None:
         return ((1, fixed),)
-    runs = []
-    for batch in _batch_size_grid():
-        path = _graph_step_path(
+    return _runs(
+        _batch_size_grid(),
+        lambda batch: _graph_step_path(
             batch * sample,
             trailing_statistics,
             dtype,
             batch_norm_applies,
             unknown_batch=True,
             per_sample_applies=per_sample_applies,
-        )
-        if not runs or runs[-1][1] != path:
-            runs.append((batch, path))
-    return tuple(runs)
+        ),
+    )
 
 
 def paths_by_sample_size(dtype="float32", batch_norm_applies=False) -> tuple:
@@ -291,18 +289,29 @@ def paths_by_sample_size(dtype="float32", batch_norm_applies=False) -> tuple:
 
 def _runs_by_elements(dtype, per_sample_applies) -> tuple:
     """Return `(first elements, path)` runs of instance norms of any size."""
-    runs = []
-    for elements in _element_grid():
-        path = _graph_step_path(
+    return _runs(
+        _element_grid(),
+        lambda elements: _graph_step_path(
             elements,
             False,
             dtype,
             batch_norm_applies=True,
             unknown_batch=True,
             per_sample_applies=per_sample_applies,
-        )
+        ),
+    )
+
+
+def _runs(sizes, path_at) -> tuple:
+    """Return `(first size, path)` runs of `path_at` over the increasing `sizes`.
+
+    Each run starts where the path changes; the first at 1.
+    """
+    runs = []
+    for size in sizes:
+        path = path_at(size)
         if not runs or runs[-1][1] != path:
-            runs.append((elements if runs else 1, path))
+            runs.append((size if runs else 1, path))
     return tuple(runs)
 
 

@@ -491,6 +491,37 @@ def run_layer(layer, x, upstream):
     return outputs, grads
 
 
+def second_order_reference(x, upstream, direction, gamma, beta, stat_axes):
+    """d/dx of sum(x_gradient(x) * direction), by central differences in float64."""
+    step, second = 1e-5, np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        shifted = []
+        for sign in (1.0, -1.0):
+            moved = x.copy()
+            moved[index] += sign * step
+            x_grad = normalization_reference(
+                moved, upstream, gamma, beta, 1e-3, stat_axes
+            )[1]
+            shifted.append((x_grad * direction).sum())
+        second[index] = (shifted[0] - shifted[1]) / (2 * step)
+    return second
+
+
+def penalty_gradients(step, x, upstream, direction):
+    """Return a layer's x gradient and the gradient of `<x_grad, direction>`.
+
+    Both tapes outside the step, as a gradient penalty (WGAN-GP, R1) takes them.
+    """
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            outputs = step(x)
+        x_grad = inner.gradient(outputs, x, output_gradients=upstream)
+        penalty = tf.reduce_sum(x_grad * direction)
+    return x_grad, outer.gradient(penalty, x)
+
+
 def set_random_weights(layer, seed=1):
     rng = np.random.default_rng(seed)
     for weight in layer.weights:

@@ -9,6 +9,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import (
+    as_float64,
+    float_inputs,
+    normalization_reference,
+    penalty_gradients,
+    second_order_reference,
+    set_random_weights,
+)
 
 from keras_amp_plus import layers
 from keras_amp_plus.layers import _row_buckets
@@ -251,3 +259,28 @@ def test_variable_length_float16_swish_pads_in_the_forward_pass():
     inference = _varying_length_step(layer, "float16", with_gradients=False)
     ops = {op.type for op in inference.get_concrete_function().graph.get_operations()}
     assert "Pad" in ops
+
+
+def test_variable_length_layer_normalization_differentiates_twice_like_float64():
+    # A gradient penalty through the padded rows: the slice's gradient pads,
+    # and that pad is differentiable again.
+    keras.config.set_dtype_policy("float32")
+    layer = layers.LayerNormalization()
+    layer.build((None, None, 4))
+    set_random_weights(layer)
+    spec = tf.TensorSpec((None, None, 4), tf.float32)
+    step = tf.function(lambda x: layer(x), input_signature=[spec])
+    graph = step.get_concrete_function().graph
+    assert "Pad" in {op.type for op in graph.get_operations()}  # bucketed path
+    gamma = np.reshape(as_float64(layer.gamma), (1, 1, 4))
+    beta = np.reshape(as_float64(layer.beta), (1, 1, 4))
+    x, upstream, x64, upstream64 = float_inputs((2, 5, 4), 0.0, tf.float32)  # 10 rows
+    direction = tf.random.stateless_normal(x.shape, (1, 2))
+    x_grad, second = penalty_gradients(step, x, upstream, direction)
+    ref = normalization_reference(x64, upstream64, gamma, beta, 1e-3, (2,))
+    np.testing.assert_allclose(as_float64(x_grad), ref[1], rtol=1e-4, atol=1e-5)
+    expected = second_order_reference(
+        x64, upstream64, as_float64(direction), gamma, beta, (2,)
+    )
+    atol = 1e-3 * np.abs(expected).max()
+    np.testing.assert_allclose(as_float64(second), expected, rtol=1e-3, atol=atol)

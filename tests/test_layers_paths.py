@@ -20,6 +20,8 @@ from conftest import (
     float_inputs,
     normalization_reference,
     normalization_step,
+    penalty_gradients,
+    second_order_reference,
     set_random_weights,
     swish_reference,
     use_policy,
@@ -196,37 +198,6 @@ def test_sequences_of_unknown_batch_size_run_the_path_of_each_batch(
     )
 
 
-def _second_order_reference(x, upstream, direction, gamma, beta, stat_axes):
-    """d/dx of sum(x_gradient(x) * direction), by central differences in float64."""
-    step, second = 1e-5, np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        shifted = []
-        for sign in (1.0, -1.0):
-            moved = x.copy()
-            moved[index] += sign * step
-            x_grad = normalization_reference(
-                moved, upstream, gamma, beta, 1e-3, stat_axes
-            )[1]
-            shifted.append((x_grad * direction).sum())
-        second[index] = (shifted[0] - shifted[1]) / (2 * step)
-    return second
-
-
-def _penalty_gradients(step, x, upstream, direction):
-    """Return the layer's x gradient and the gradient of `<x_grad, direction>`.
-
-    Both tapes outside the step, as a gradient penalty takes them.
-    """
-    with tf.GradientTape() as outer:
-        outer.watch(x)
-        with tf.GradientTape() as inner:
-            inner.watch(x)
-            outputs = step(x)
-        x_grad = inner.gradient(outputs, x, output_gradients=upstream)
-        penalty = tf.reduce_sum(x_grad * direction)
-    return x_grad, outer.gradient(penalty, x)
-
-
 def _instance_norm_any_batch(sample):
     """A built instance norm with random weights, in a step for any batch size."""
     layer = layers.InstanceNormalization()
@@ -252,10 +223,10 @@ def test_one_path_differentiates_twice_like_float64(path, monkeypatch):
     step, gamma, beta = _instance_norm_any_batch((4, 4, 4))
     x, upstream, x64, upstream64 = float_inputs((2, 4, 4, 4), 0.0, tf.float32)
     direction = tf.random.stateless_normal(x.shape, (1, 2))
-    x_grad, second = _penalty_gradients(step, x, upstream, direction)
+    x_grad, second = penalty_gradients(step, x, upstream, direction)
     ref = normalization_reference(x64, upstream64, gamma, beta, 1e-3, (1, 2))
     assert_close(x_grad, ref[1], "float32", "x gradient")
-    expected = _second_order_reference(
+    expected = second_order_reference(
         x64, upstream64, as_float64(direction), gamma, beta, (1, 2)
     )
     atol = 1e-3 * np.abs(expected).max()
@@ -281,7 +252,7 @@ def test_the_switch_refuses_a_second_order_gradient_loudly(monkeypatch):
         ref = normalization_reference(x64, upstream64, gamma, beta, 1e-3, (1, 2))
         assert_close(x_grad, ref[1], "float32", "x gradient")
         with pytest.raises(ValueError, match="cannot be differentiated again"):
-            _penalty_gradients(step, x, upstream, tf.ones_like(x))
+            penalty_gradients(step, x, upstream, tf.ones_like(x))
 
 
 def _conv_classifier(normalization):

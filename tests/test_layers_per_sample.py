@@ -19,7 +19,9 @@ from conftest import (
     check_normalization,
     float_inputs,
     normalization_reference,
+    penalty_gradients,
     run_layer,
+    second_order_reference,
     set_random_weights,
     use_policy,
 )
@@ -160,37 +162,14 @@ def test_per_sample_path_differentiates_twice_like_float64(any_batch, monkeypatc
     x, upstream, x64, upstream64 = float_inputs((2, 4, 4, 4), 0.0, tf.float32)
     assert step.ops(x).count("FusedBatchNormV3") == (1 if any_batch else 2)
     direction = tf.random.stateless_normal(x.shape, (1, 2))
-    with tf.GradientTape() as outer:
-        outer.watch(x)
-        with tf.GradientTape() as inner:
-            inner.watch(x)
-            outputs = step(x)
-        x_grad = inner.gradient(outputs, x, output_gradients=upstream)
-        penalty = tf.reduce_sum(x_grad * direction)
-    second = outer.gradient(penalty, x)
+    x_grad, second = penalty_gradients(step, x, upstream, direction)
     ref = normalization_reference(x64, upstream64, gamma, beta, 1e-3, (1, 2))
     assert_close(x_grad, ref[1], "float32", "x gradient")
-    expected = _second_order_reference(
-        x64, upstream64, as_float64(direction), gamma, beta
+    expected = second_order_reference(
+        x64, upstream64, as_float64(direction), gamma, beta, (1, 2)
     )
     atol = 1e-3 * np.abs(expected).max()
     np.testing.assert_allclose(as_float64(second), expected, rtol=1e-3, atol=atol)
-
-
-def _second_order_reference(x, upstream, direction, gamma, beta):
-    """d/dx of sum(x_gradient(x) * direction), by central differences in float64."""
-    step, second = 1e-5, np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        shifted = []
-        for sign in (1.0, -1.0):
-            moved = x.copy()
-            moved[index] += sign * step
-            x_grad = normalization_reference(
-                moved, upstream, gamma, beta, 1e-3, (1, 2)
-            )[1]
-            shifted.append((x_grad * direction).sum())
-        second[index] = (shifted[0] - shifted[1]) / (2 * step)
-    return second
 
 
 def _applies(shape, epsilon=1e-3, dtype=tf.float32):

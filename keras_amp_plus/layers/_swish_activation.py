@@ -247,7 +247,8 @@ def swish(x, beta=1.0):
     backward pass keeps only `x` (as `tf.nn.silu` does), and forward and
     backward each run as one fused kernel: XLA's, or for bfloat16 with `beta`
     1 in a graph step where TensorFlow's oneDNN kernels are on, oneDNN's
-    swish for the forward pass. Inside a `jit_compile=True` step it is plain
+    swish for the forward pass (float32 too where the input's shape varies
+    from step to step). Inside a `jit_compile=True` step it is plain
     ops, as the `Swish` layer describes.
 
     Args:
@@ -310,7 +311,8 @@ class Swish(keras.layers.Layer):
     widens bfloat16 there anyway), so each result is rounded once; so does
     oneDNN's swish kernel, which runs the bfloat16 forward pass with the
     default `beta` in graph steps where TensorFlow's oneDNN kernels are on
-    (grappler fuses `x * sigmoid(x)` into it). Inside a
+    (grappler fuses `x * sigmoid(x)` into it; the float32 one too where the
+    input's length varies). Inside a
     model compiled with `jit_compile=True` the layer is plain ops XLA fuses
     with its neighbours (float16 with a fixed `beta`: Keras's formula, in
     float16, as `Activation("swish")`). In graph and eager steps the

@@ -10,7 +10,8 @@ This measures that cost where it shows: at lengths whose sizes are buckets
 For each layer, policy, (batch, features) pair and length, three graph
 steps, forward + backward (upstream gradient given), are called interleaved,
 in an order shuffled each round (`layers.time_interleaved`): Keras's layer
-and ours in steps traced for any length, and ours traced for the one length
+and ours in steps traced for any batch size and length (as `fit` traces a
+`tf.data` pipeline of such batches), and ours traced for the one shape
 ("known"), the same code's cost without the padding. Each figure is the median
 process CPU time; the ratios are to Keras's in the any-length step.
 
@@ -25,7 +26,14 @@ import time
 
 import keras
 import tensorflow as tf
-from layers import POLICIES, check_close, inputs_for, layer_pair, time_interleaved
+from layers import (
+    POLICIES,
+    check_close,
+    inputs_for,
+    layer_pair,
+    make_step,
+    time_interleaved,
+)
 from machine import cpu_kind, print_header, write_results
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -38,22 +46,6 @@ SHAPES = {
 LENGTHS = (100, 128, 192, 200, 333)
 QUICK_SHAPES = {"LN": [(8, 512)], "Swish": [(8, 2048)]}
 QUICK_LENGTHS = (100, 128)
-
-
-def graph_step(layer, shape, dtype, any_length):
-    """Return a `tf.function` of forward + backward through `layer`."""
-    batch, length, features = shape
-    spec = tf.TensorSpec((batch, None if any_length else length, features), dtype)
-
-    @tf.function(input_signature=[spec, spec])
-    def step(x, upstream):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            outputs = layer(x)
-        sources = [x, *layer.trainable_weights]
-        return outputs, tape.gradient(outputs, sources, output_gradients=upstream)
-
-    return step
 
 
 def time_case(kind, shape, policy, reps):
@@ -70,9 +62,9 @@ def time_case(kind, shape, policy, reps):
         keras.config.set_dtype_policy(previous)
     x, upstream = inputs_for(shape, dtype)
     steps = {
-        "keras": graph_step(theirs, shape, dtype, any_length=True),
-        "ours": graph_step(ours, shape, dtype, any_length=True),
-        "ours_known": graph_step(known, shape, dtype, any_length=False),
+        "keras": make_step(theirs, "any_size", shape, dtype),
+        "ours": make_step(ours, "any_size", shape, dtype),
+        "ours_known": make_step(known, "graph", shape, dtype),
     }
     outputs = {name: step(x, upstream)[0] for name, step in steps.items()}
     error = max(

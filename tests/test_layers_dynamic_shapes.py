@@ -57,7 +57,8 @@ def _reference(x, upstream, gamma, beta, epsilon=1e-3):
     )
 
 
-def _graph_step(layer, dtype):
+def _graph_step(layer, dtype, weights=(), with_gradients=True):
+    """A graph step for any batch and length: outputs, gradients of x, weights."""
     spec = tf.TensorSpec((None, None, FEATURES), dtype)
 
     @tf.function(input_signature=[spec, spec])
@@ -65,10 +66,10 @@ def _graph_step(layer, dtype):
         with tf.GradientTape() as tape:
             tape.watch(x)
             outputs = layer(x)
-        grads = tape.gradient(
-            outputs, [x, layer.gamma, layer.beta], output_gradients=upstream
-        )
-        return outputs, grads
+        if not with_gradients:
+            return outputs
+        sources = [x, *weights]
+        return outputs, tape.gradient(outputs, sources, output_gradients=upstream)
 
     return step
 
@@ -82,7 +83,7 @@ def test_variable_length_layer_normalization_matches_float64(policy):
     rng = np.random.default_rng(0)
     layer.gamma.assign(rng.normal(1.0, 0.3, FEATURES))
     layer.beta.assign(rng.normal(0.0, 0.3, FEATURES))
-    step = _graph_step(layer, compute)
+    step = _graph_step(layer, compute, weights=(layer.gamma, layer.beta))
     graph = step.get_concrete_function().graph
     assert "Pad" in {op.type for op in graph.get_operations()}  # bucketed path
     gamma, beta = np.asarray(layer.gamma, "float64"), np.asarray(layer.beta, "float64")
@@ -199,33 +200,18 @@ def test_variable_length_swish_matches_float64(policy):
             np.testing.assert_allclose(actual, wanted, atol=TOLERANCE[compute] * scale)
 
 
-def _varying_length_step(layer, compute, with_gradients=True):
-    spec = tf.TensorSpec((None, None, FEATURES), compute)
-
-    @tf.function(input_signature=[spec, spec])
-    def step(x, upstream):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            outputs = layer(x)
-        if not with_gradients:
-            return outputs
-        return outputs, tape.gradient(outputs, x, output_gradients=upstream)
-
-    return step
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 def test_variable_length_swish_with_fixed_beta_matches_float64(policy):
     # beta 1: in bfloat16 and float32 with oneDNN on, oneDNN's swish runs the
     # forward pass unpadded and the backward pass pads what it needs itself.
     keras.config.set_dtype_policy(policy)
     compute = keras.config.dtype_policy().compute_dtype
-    step = _varying_length_step(layers.Swish(), compute)
+    step = _graph_step(layers.Swish(), compute)
     rng = np.random.default_rng(1)
     for length in (3, 4, 5, 4):  # 96, 128, 160, 128 elements; 128 again
         x = tf.cast(rng.normal(0.0, 4.0, (2, length, FEATURES)), compute)
         upstream = tf.cast(rng.normal(0.0, 1.0, (2, length, FEATURES)), compute)
-        outputs, x_grad = step(x, upstream)
+        outputs, (x_grad,) = step(x, upstream)
         assert outputs.shape == x.shape and x_grad.shape == x.shape
         assert outputs.dtype == compute and x_grad.dtype == compute
         expected = _swish_reference(
@@ -245,8 +231,8 @@ def test_variable_length_swish_inference_pays_no_padding(policy):
     keras.config.set_dtype_policy(policy)
     compute = keras.config.dtype_policy().compute_dtype
     layer = layers.Swish()
-    inference = _varying_length_step(layer, compute, with_gradients=False)
-    training = _varying_length_step(layer, compute)
+    inference = _graph_step(layer, compute, with_gradients=False)
+    training = _graph_step(layer, compute)
     ops = {op.type for op in inference.get_concrete_function().graph.get_operations()}
     assert "Pad" not in ops and {"Sigmoid", "Mul"} <= ops  # fused by grappler
     ops = {op.type for op in training.get_concrete_function().graph.get_operations()}
@@ -256,7 +242,7 @@ def test_variable_length_swish_inference_pays_no_padding(policy):
 def test_variable_length_float16_swish_pads_in_the_forward_pass():
     # No oneDNN swish for float16: its forward pass is the bucketed XLA kernel.
     layer = layers.Swish(dtype="mixed_float16")
-    inference = _varying_length_step(layer, "float16", with_gradients=False)
+    inference = _graph_step(layer, "float16", with_gradients=False)
     ops = {op.type for op in inference.get_concrete_function().graph.get_operations()}
     assert "Pad" in ops
 

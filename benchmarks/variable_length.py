@@ -13,7 +13,7 @@ in an order shuffled each round (`layers.time_interleaved`): Keras's layer
 and ours in steps traced for any batch size and length (as `fit` traces a
 `tf.data` pipeline of such batches), and ours traced for the one shape
 ("known"), the same code's cost without the padding. Each figure is the median
-process CPU time; the ratios are to Keras's in the any-length step.
+process CPU time; the ratios are to Keras's in the step for any length.
 
 Usage: python benchmarks/variable_length.py [--quick] [--reps N]
     [--policies ...] [--layers LN Swish] [--output PATH]
@@ -153,8 +153,8 @@ def main():
             f"{tuple(cell['worst_at'])}"
         )
     print(
-        "(ratio = ours / Keras's CPU time, both traced for any length; known ="
-        " ours traced for the one length / Keras's, the cost without padding)"
+        "(ratio = ours / Keras's CPU time, both traced for any batch and length;"
+        " known = ours traced for the one shape / Keras's: no padding)"
     )
     print(f"wall time {time.time() - start:.0f} s")
     write_results(

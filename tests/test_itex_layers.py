@@ -235,6 +235,35 @@ def test_swish_inside_xla_traced_for_any_batch_size_matches_float64(
         check_swish(outputs, grads, 4.0 * x, upstream, layer)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_layers_on_sequences_of_varying_length_match_float64(policy):
+    # A step traced for any batch and length (text padded per batch): both
+    # layers pad to size buckets where they run XLA kernels.
+    spec = tf.TensorSpec((None, None, 8), tf.float32)
+    norm = kap.layers.LayerNormalization(dtype=policy)
+    swish = kap.layers.Swish(beta=1.5, trainable_beta=True, dtype=policy)
+    norm.build((None, None, 8))
+    set_random_weights(norm)
+    gamma, beta = (w.numpy().astype("float64").reshape(1, 1, -1) for w in norm.weights)
+    compute = _compat.dtype_policy(policy).compute_dtype
+
+    @tf.function(input_signature=[spec, spec])
+    def step(x, upstream):
+        return forward_backward(norm, x, upstream), forward_backward(swish, x, upstream)
+
+    for length in (3, 5):  # 48 and 80 elements: not sizes of one bucket
+        x, upstream = inputs((2 * length, 8), 0.0)
+        x, upstream = (tf.reshape(t, (2, length, 8)) for t in (x, upstream))
+        (outputs, (x_grad, *_)), swish_results = step(x, upstream)
+        reference = normalization_reference(
+            f64(x), rounded(upstream, compute), gamma, beta, 1e-3, (2,)
+        )
+        assert outputs.shape == (2, length, 8)
+        assert_close(outputs, reference[0], compute, "outputs")
+        assert_close(x_grad, reference[1], compute, "x gradient")
+        check_swish(*swish_results, x, upstream, swish)
+
+
 def check_swish(outputs, grads, x, upstream, layer):
     """Check Swish's output and gradients (x, beta) against float64."""
     x_grad, beta_grad = grads

@@ -50,10 +50,12 @@ def run_python(code: str, timeout: float = 300, **environment) -> str:
     Fails the test with the child's output when it exits non-zero. A child
     killed by a signal while no thread of it ran Python code (a crash inside
     one of TensorFlow's own threads) runs once more, with a warning that
-    carries the first crash's output: CI saw one such segfault, at the start
-    of a `fit` of a one-replica MirroredStrategy model compiled with XLA,
-    which 60 runs of that test here did not repeat. A crash the code under
-    test causes repeats, and fails.
+    carries the first crash's output. TensorFlow 2.21 has such a crash: the
+    background thread of a MirroredStrategy input pipeline
+    (`MultiDeviceIterator::MultiDeviceBuffer::BackgroundThread`) calls
+    `GetNext` on the iterator of the `fit` that just ended, freed (a core
+    dump's backtrace; one child in 12 under load, at the start of the next
+    `fit`). A crash the code under test causes repeats, and fails.
     """
     # faulthandler: a native crash in the child (SIGSEGV) prints every
     # thread's Python stack into the failure message instead of only "-11".

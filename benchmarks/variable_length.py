@@ -12,8 +12,10 @@ steps, forward + backward (upstream gradient given), are called interleaved,
 in an order shuffled each round (`layers.time_interleaved`): Keras's layer
 and ours in steps traced for any batch size and length (as `fit` traces a
 `tf.data` pipeline of such batches), and ours traced for the one shape
-("known"), the same code's cost without the padding. Each figure is the median
-process CPU time; the ratios are to Keras's in the step for any length.
+("known"), our layer's cost where no padding is needed (its path for a known
+shape: float32 Swish runs XLA's forward kernel there, oneDNN's for any length).
+Each figure is the median process CPU time; the ratios are to Keras's in the
+step for any length.
 
 Usage: python benchmarks/variable_length.py [--quick] [--reps N]
     [--policies ...] [--layers LN Swish] [--output PATH]

@@ -13,7 +13,6 @@ from conftest import (
     as_float64,
     float_inputs,
     normalization_reference,
-    penalty_gradients,
     second_order_reference,
     set_random_weights,
 )
@@ -234,7 +233,9 @@ def test_variable_length_swish_inference_pays_no_padding(policy):
     inference = _graph_step(layer, compute, with_gradients=False)
     training = _graph_step(layer, compute)
     ops = {op.type for op in inference.get_concrete_function().graph.get_operations()}
-    assert "Pad" not in ops and {"Sigmoid", "Mul"} <= ops  # fused by grappler
+    # The forward pass is the pair grappler's remapper fuses into oneDNN's
+    # swish, on the input itself: no padding where no gradient is taken.
+    assert "Pad" not in ops and {"Sigmoid", "Mul"} <= ops
     ops = {op.type for op in training.get_concrete_function().graph.get_operations()}
     assert "Pad" in ops  # the backward pass's XLA kernel is bucketed
 
@@ -248,8 +249,9 @@ def test_variable_length_float16_swish_pads_in_the_forward_pass():
 
 
 def test_variable_length_layer_normalization_differentiates_twice_like_float64():
-    # A gradient penalty through the padded rows: the slice's gradient pads,
-    # and that pad is differentiable again.
+    # A gradient penalty of a loss through the padded rows: the loss's
+    # gradient depends on x, so the slice's gradient (a pad) is differentiated
+    # again; a gradient that stopped there would leave out that term.
     keras.config.set_dtype_policy("float32")
     layer = layers.LayerNormalization()
     layer.build((None, None, 4))
@@ -260,13 +262,40 @@ def test_variable_length_layer_normalization_differentiates_twice_like_float64()
     assert "Pad" in {op.type for op in graph.get_operations()}  # bucketed path
     gamma = np.reshape(as_float64(layer.gamma), (1, 1, 4))
     beta = np.reshape(as_float64(layer.beta), (1, 1, 4))
-    x, upstream, x64, upstream64 = float_inputs((2, 5, 4), 0.0, tf.float32)  # 10 rows
+    x, _, x64, _ = float_inputs((2, 5, 4), 0.0, tf.float32)  # 10 rows, padded to 12
     direction = tf.random.stateless_normal(x.shape, (1, 2))
-    x_grad, second = penalty_gradients(step, x, upstream, direction)
-    ref = normalization_reference(x64, upstream64, gamma, beta, 1e-3, (2,))
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            loss = tf.reduce_sum(tf.sin(3.0 * step(x)))
+        x_grad = inner.gradient(loss, x)
+        penalty = tf.reduce_sum(x_grad * direction)
+    second = outer.gradient(penalty, x)
+
+    def loss_gradient(outputs):
+        return 3.0 * np.cos(3.0 * outputs)
+
+    outputs64 = normalization_reference(x64, 0 * x64, gamma, beta, 1e-3, (2,))[0]
+    ref = normalization_reference(
+        x64, loss_gradient(outputs64), gamma, beta, 1e-3, (2,)
+    )
     np.testing.assert_allclose(as_float64(x_grad), ref[1], rtol=1e-4, atol=1e-5)
     expected = second_order_reference(
-        x64, upstream64, as_float64(direction), gamma, beta, (2,)
+        x64, loss_gradient, as_float64(direction), gamma, beta, (2,)
     )
     atol = 1e-3 * np.abs(expected).max()
     np.testing.assert_allclose(as_float64(second), expected, rtol=1e-3, atol=atol)
+
+
+@pytest.mark.parametrize("layer", (layers.Swish, layers.LayerNormalization))
+def test_an_empty_sequence_of_varying_length_steps_through(layer):
+    # A batch of zero-length sequences pads to one element and slices back.
+    layer = layer()
+    layer.build((None, None, FEATURES))
+    step = _graph_step(layer, "float32", weights=layer.trainable_weights)
+    x = tf.zeros((2, 0, FEATURES))
+    outputs, (x_grad, *weight_grads) = step(x, x)
+    assert outputs.shape == x_grad.shape == (2, 0, FEATURES)
+    for grad in weight_grads:  # nothing flows from no rows
+        np.testing.assert_array_equal(np.asarray(grad), 0.0)

@@ -326,7 +326,7 @@ class MonitorSession:
         logger.warning(
             "AMPMonitor epoch %d: loss scale put back from %s to %s, its value "
             "before the forward overflows of the layers just denied (the scaler "
-            "halved it at each; they were no sign it was too high).",
+            "backed it off for them; they were no sign it was too high).",
             epoch,
             current,
             target,

@@ -47,13 +47,11 @@ def shapes_vary(x) -> bool:
     """Return True when `x`'s shape may change from step to step.
 
     That is when, at trace time, a dimension other than the batch axis is
-    unknown. A model that XLA compiles whole recompiles per shape anyway, so
-    there padding would only cost.
+    unknown, or the rank is. A model that XLA compiles whole recompiles per
+    shape anyway, so there padding would only cost.
     """
-    return (
-        any(size is None for size in x.shape[1:])
-        and not _compat.in_xla_compiled_function()
-    )
+    unknown = x.shape.rank is None or any(size is None for size in x.shape[1:])
+    return unknown and not _compat.in_xla_compiled_function()
 
 
 def applies(x, gamma, stat_axes) -> bool:
@@ -96,17 +94,21 @@ def leading_slice(padded, size):
     The gradient of a plain slice is `StridedSliceGrad`, which fills a zero
     tensor of the padded size and copies the upstream gradient into it: about
     4.5x the CPU time of `tf.pad` on a 1.6M-element input. Here it is
-    `tf.pad` (differentiable again: its own gradient is a slice). The slice
-    itself is a view where it ends on a 64-byte boundary (the size in bytes
-    of a leading slice's rows is a multiple of 64): no copy.
+    `tf.pad` (differentiable again: its own gradient is a slice). TensorFlow
+    returns the slice itself as a view, no copy, where it stays aligned
+    (`EIGEN_MAX_ALIGN_BYTES`, 64 in the x86 wheels): for a rank-1 tensor,
+    where the kept bytes are a multiple of it; for a higher rank, where one
+    row's bytes are.
 
     Args:
         padded: a tensor of rank 1 or more.
-        size: the number of leading entries (along axis 0) to keep.
+        size: the number of leading entries (along axis 0) to keep, an
+            integer or integer tensor.
 
     Returns:
         `padded[:size]`.
     """
+    size = tf.cast(size, tf.int64)
 
     @tf.custom_gradient
     def leading(padded):

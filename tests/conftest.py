@@ -54,7 +54,7 @@ def run_python(code: str, timeout: float = 300, **environment) -> str:
     background thread of a MirroredStrategy input pipeline
     (`MultiDeviceIterator::MultiDeviceBuffer::BackgroundThread`) calls
     `GetNext` on the iterator of the `fit` that just ended, freed (a core
-    dump's backtrace; one child in 12 under load, at the start of the next
+    dump's backtrace; one child in 15 under load, at the start of the next
     `fit`). A crash that happens every time repeats, and fails; an
     intermittent one in TensorFlow's threads, whatever causes it, passes
     with that warning in pytest's summary.

@@ -83,9 +83,14 @@ def flat_padded(x):
         size is a bucket already, it is `x`'s own buffer (TensorFlow's `Pad`
         forwards an input it does not grow): no copy.
     """
-    flat = tf.reshape(x, [-1])
-    size = tf.size(flat, out_type=tf.int64)
-    return tf.pad(flat, [[0, bucket_rows(size) - size]])
+    return padded_rows(tf.reshape(x, [-1]))
+
+
+def padded_rows(x):
+    """Return `x` padded with zeros along axis 0 to its row count's bucket."""
+    rows = tf.shape(x, out_type=tf.int64)[0]
+    paddings = [[0, bucket_rows(rows) - rows]] + [[0, 0]] * (x.shape.rank - 1)
+    return tf.pad(x, paddings)
 
 
 def leading_slice(padded, size):
@@ -158,7 +163,7 @@ def in_padded_rows(normalize):
 
     def normalize_padded(x_rows, gamma, beta, stat_axes):
         rows = tf.shape(x_rows, out_type=tf.int64)[0]
-        padded = tf.pad(x_rows, [[0, bucket_rows(rows) - rows], [0, 0]])
+        padded = padded_rows(x_rows)
         return leading_slice(normalize(padded, gamma, beta, stat_axes), rows)
 
     return normalize_padded

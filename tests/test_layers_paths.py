@@ -306,16 +306,20 @@ def test_fit_on_a_dataset_trains_through_the_switch_like_keras(large_path, monke
         np.testing.assert_allclose(ours_weight, keras_weight, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("layout", ("in_place", "channel_rows"))
 @pytest.mark.parametrize("policy_name", POLICIES)
 @pytest.mark.parametrize(
     "shape", ((3, 40, 6), (2, 5, 6, 8), (2, 3, 4, 5, 6)), ids=("1d", "2d", "3d")
 )
-def test_instance_norm_kernels_on_channel_rows_match_float64(
-    shape, policy_name, monkeypatch
+def test_instance_norm_kernels_in_either_layout_match_float64(
+    shape, policy_name, layout, monkeypatch
 ):
-    # The kernels normalize instance norm's channels as rows of the
-    # transposed input: any rank, and sizes known only at run time.
+    # The kernels normalize instance norm channels last in place below the
+    # dot size and as rows of the transposed input from it on: any rank,
+    # and sizes known only at run time (the layout then chosen at run time).
     monkeypatch.setenv(_path_choice.PATH_VARIABLE, _path_choice.FUSED_KERNELS)
+    if layout == "channel_rows":
+        monkeypatch.setattr(_path_choice, "DOT_SUM_MIN_ELEMENTS", 1)
     policy = use_policy(policy_name)
     rank = len(shape)
     stat_axes = tuple(range(1, rank - 1))

@@ -16,11 +16,11 @@ POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 SHAPE = (None, 6, 8)
 
 
-def _kernel_calls(layer, compute_dtype):
+def _kernel_calls(layer, compute_dtype, shape=SHAPE):
     """Return {function name: call op} of the forward/backward XLA kernels."""
-    layer.build(SHAPE)
+    layer.build(shape)
 
-    @tf.function(input_signature=[tf.TensorSpec(SHAPE, compute_dtype)])
+    @tf.function(input_signature=[tf.TensorSpec(shape, compute_dtype)])
     def step(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -70,14 +70,24 @@ def test_onednn_swish_forward_leaves_its_sigmoid_to_the_product(monkeypatch):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("name", ["LayerNormalization", "InstanceNormalization"])
+@pytest.mark.parametrize(
+    "name", ["LayerNormalization", "InstanceNormalization", "channel_rows"]
+)
 def test_normalization_backward_keeps_input_and_statistics(name, policy, monkeypatch):
     # The kernels' path (in a graph step of unknown batch size the layer may
     # otherwise switch between paths at run time, inside nested functions).
+    # Instance norm of a known size, for its layout to be chosen when traced:
+    # in place below the dot size, as rows of the transposed input from it on.
     monkeypatch.setenv(_path_choice.PATH_VARIABLE, _path_choice.FUSED_KERNELS)
+    if name == "channel_rows":
+        monkeypatch.setattr(_path_choice, "DOT_SUM_MIN_ELEMENTS", 1)
     keras.config.set_dtype_policy(policy)
     compute = keras.config.dtype_policy().compute_dtype
-    graph, calls = _kernel_calls(getattr(layers, name)(), compute)
+    if name == "LayerNormalization":
+        layer, shape = layers.LayerNormalization(), SHAPE
+    else:
+        layer, shape = layers.InstanceNormalization(), (2, *SHAPE[1:])
+    graph, calls = _kernel_calls(layer, compute, shape)
     forward, backward = calls["forward"], calls["backward"]
     x = graph.inputs[0]
     kernel_input = forward.inputs[0]
@@ -85,6 +95,8 @@ def test_normalization_backward_keeps_input_and_statistics(name, policy, monkeyp
         assert kernel_input.op.type == "Reshape"
         assert kernel_input.op.inputs[0] is x
         assert kernel_input.shape.as_list() == [None, 8]
+    elif name == "InstanceNormalization":  # in place: x itself
+        assert kernel_input is x
     else:  # instance norm's channels as rows: x transposed, not a float32 copy
         assert kernel_input.op.type == "Reshape"
         assert kernel_input.op.inputs[0].op.type == "Transpose"

@@ -367,7 +367,7 @@ def calibrate(quick):
     """Measure the graph-step paths into a fresh cache directory; return cells."""
     os.environ["KERAS_AMP_PLUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kap_paths_")
     result = _path_calibration.measure_paths(
-        seconds=20.0 if quick else 80.0, reps=3 if quick else 7
+        seconds=20.0 if quick else 80.0, reps=3 if quick else 11
     )
     print("measured graph-step paths (CPU time / Keras's formula's):")
     for cell in result["cells"]:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import statistics
 import time
 
@@ -40,9 +41,18 @@ PER_SAMPLE_BATCH_NORM = "per_sample_batch_norm"
 # Shapes timed, smallest first. Trailing axes: below the matrix-product size,
 # where the answer differs between CPUs (above it the kernels won everywhere
 # measured). Middle axes: also one above it, where TensorFlow's batch-norm
-# kernel beat the kernels for bfloat16 and float32 on an Intel Xeon.
+# kernel beat the kernels for bfloat16 and float32 on an Intel Xeon, and one
+# at 2**20 elements, where the kernels in place won by more than at the
+# shapes an octave or two on either side (samples too small for the
+# per-sample path), which would stand for it otherwise.
 TRAILING_SHAPES = ((512, 256), (2048, 256), (2048, 1024))
-MIDDLE_SHAPES = ((8, 16, 16, 32), (16, 16, 16, 64), (8, 64, 64, 64), (32, 32, 32, 128))
+MIDDLE_SHAPES = (
+    (8, 16, 16, 32),
+    (16, 16, 16, 64),
+    (16, 32, 32, 64),
+    (8, 64, 64, 64),
+    (32, 32, 32, 128),
+)
 DTYPES = ("bfloat16", "float32")
 # Another path must be this much faster than the safe one (`safe_path`) to be
 # chosen: on a loaded machine a median of a few calls moves by 10-15%.
@@ -357,15 +367,20 @@ def _time_pair(steps, reps):
         step()
         step()
     times = {name: [] for name in steps}
+    # In an order shuffled each round (seeded), as the benchmarks call them:
+    # no path always runs right after the same other one.
+    order, shuffle = list(steps), random.Random(0).shuffle
     for _ in range(reps):
-        for name, step in steps.items():
+        shuffle(order)
+        for name in order:
+            step = steps[name]
             start = time.process_time()
             step()
             times[name].append(time.process_time() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
+def measure_paths(seconds: float = 30.0, reps: int = 11) -> dict:
     """Race the two paths in graph steps and cache the winners on disk.
 
     Runs eagerly (never call it inside a `tf.function`). Cells are measured
@@ -375,7 +390,7 @@ def measure_paths(seconds: float = 30.0, reps: int = 7) -> dict:
 
     Args:
         seconds: wall-time budget. Defaults to `30.0`.
-        reps: interleaved calls per path and cell. Defaults to `7`.
+        reps: interleaved calls per path and cell. Defaults to `11`.
 
     Returns:
         `{"path": cache file, "cells": [{"trailing", "dtype", "shape",

@@ -41,26 +41,17 @@ PER_SAMPLE_BATCH_NORM = "per_sample_batch_norm"
 # Shapes timed, smallest first. Trailing axes: below the matrix-product size,
 # where the answer differs between CPUs (above it the kernels won everywhere
 # measured). Middle axes: also one above it, where TensorFlow's batch-norm
-# kernel beat the kernels for bfloat16 and float32 on an Intel Xeon, and one
-# at 2**20 elements, where the kernels in place won by more than at the
-# shapes an octave or two on either side (samples too small for the
-# per-sample path), which would stand for it otherwise.
+# kernel beat the kernels for bfloat16 and float32 on an Intel Xeon.
 TRAILING_SHAPES = ((512, 256), (2048, 256), (2048, 1024))
-MIDDLE_SHAPES = (
-    (8, 16, 16, 32),
-    (16, 16, 16, 64),
-    (16, 32, 32, 64),
-    (8, 64, 64, 64),
-    (32, 32, 32, 128),
-)
+MIDDLE_SHAPES = ((8, 16, 16, 32), (16, 16, 16, 64), (8, 64, 64, 64), (32, 32, 32, 128))
 DTYPES = ("bfloat16", "float32")
 # Another path must be this much faster than the safe one (`safe_path`) to be
 # chosen: on a loaded machine a median of a few calls moves by 10-15%.
 WIN_MARGIN = 0.85
 # In steps traced for any batch size, instance norm below this many elements
 # keeps Keras's formula as the safe side: there the kernels' two XLA launches
-# and two transposes cost more than they save (slower than the formula in
-# every race at the grid's 65k-element shape, faster at its 262k one).
+# cost more than they save (slower than the formula in every race at the
+# grid's 65k-element shape, faster or even at its 262k one).
 KERNELS_SAFE_MIN_ELEMENTS = 2**17
 # From this many elements on, instance norm in such steps keeps TensorFlow's
 # fused batch-norm kernel as the safe side where it applies: there the

@@ -12,7 +12,8 @@ when traced; "tfdata": traced for any batch size), called interleaved, call
 by call in an order shuffled each round, median process CPU time. It is the
 evidence behind the rules a measurement does not decide (float16 instance
 norms without float16 arithmetic, for one) and shows which path a CPU should
-take where.
+take where. For instance norm it also times the kernels in their earlier
+layout, channels as rows at every size (`fused_kernels_as_rows`).
 
 The header names the CPU; the JSON written to `benchmarks/results/` (named per
 CPU kind) carries it with every cell.
@@ -50,10 +51,16 @@ from machine import cpu_kind, print_header, write_results
 from keras_amp_plus.layers import _path_choice, _per_sample_batch_norm
 
 STEPS = ("graph", "tfdata")
+# The kernels with instance norm's channels as rows of the transposed input at
+# every size, their only layout before 2026-12-03 (now below
+# `_path_choice.DOT_SUM_MIN_ELEMENTS` they run in place): timed beside the
+# others to show what the layout is worth.
+KERNELS_AS_ROWS = "fused_kernels_as_rows"
 PATHS = {
     "IN": (
         _path_choice.KERAS_FORMULA,
         _path_choice.FUSED_KERNELS,
+        KERNELS_AS_ROWS,
         _path_choice.BATCH_NORM,
         _path_choice.PER_SAMPLE_BATCH_NORM,
     ),
@@ -70,12 +77,23 @@ def applicable_paths(kind, shape):
 
 
 def traced_with_path(step, path, x, upstream):
-    """Call `step` once with `path` forced while it traces; restore the variable."""
+    """Call `step` once with `path` forced while it traces; restore the variable.
+
+    `KERNELS_AS_ROWS`: the kernels, with the dot size (from which instance
+    norm's kernels take the rows layout) set to 1 while the step traces.
+    """
     previous = os.environ.get(_path_choice.PATH_VARIABLE)
-    os.environ[_path_choice.PATH_VARIABLE] = path
+    as_rows = path == KERNELS_AS_ROWS
+    os.environ[_path_choice.PATH_VARIABLE] = (
+        _path_choice.FUSED_KERNELS if as_rows else path
+    )
+    dot_sum_min = _path_choice.DOT_SUM_MIN_ELEMENTS
+    if as_rows:
+        _path_choice.DOT_SUM_MIN_ELEMENTS = 1
     try:
         return step(x, upstream)
     finally:
+        _path_choice.DOT_SUM_MIN_ELEMENTS = dot_sum_min
         if previous is None:
             del os.environ[_path_choice.PATH_VARIABLE]
         else:

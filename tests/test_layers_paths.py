@@ -333,6 +333,28 @@ def test_instance_norm_kernels_in_either_layout_match_float64(
             check_normalization(layer, shape, mean, policy, stat_axes, params)
 
 
+def test_instance_norm_kernels_in_place_read_full_size_tensors_twice_backward():
+    # The backward kernel's sums over full-size tensors: the upstream gradient
+    # and its product with the normalized input, once each. The weights'
+    # gradients are sums of those per-sample sums; written as means times the
+    # count, XLA summed the full-size tensors again over every axis at once
+    # (four full-size reductions, and a third slower step).
+    shape = (4, 8, 8, 16)
+    x, upstream = tf.ones(shape), tf.ones(shape)
+    statistics = (tf.ones([4, 1, 1, 16]),) * 3
+    hlo = _fused_normalization._normalize_backward.experimental_get_compiler_ir(
+        upstream, x, statistics, tf.ones([1, 1, 1, 16]), (1, 2), (0, 1, 2), False
+    )("optimized_hlo")
+    reduced_axes = [
+        line.split("dimensions={")[1].split("}")[0]
+        for line in hlo.splitlines()
+        if " reduce(" in line
+    ]
+    # Full-size sums reduce the statistics' axes, (1, 2), or all three.
+    assert reduced_axes.count("1,2") == 2
+    assert "0,1,2" not in reduced_axes
+
+
 def _path_taken(
     jit_compile,
     elements_threshold,

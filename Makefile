@@ -40,7 +40,8 @@ test: $(PY)
 BENCHMARKS := benchmarks/layers.py benchmarks/paths.py benchmarks/variable_length.py \
 	benchmarks/batch_switch.py \
 	benchmarks/cpu_allocator.py benchmarks/training.py benchmarks/loss_scale.py \
-	benchmarks/finite_flags.py benchmarks/fused_update.py benchmarks/monitor.py
+	benchmarks/finite_flags.py benchmarks/fused_update.py benchmarks/monitor.py \
+	benchmarks/moments_gradient.py
 
 # The whole tests/ directory: conftest.py skips, with the reason, every module
 # written against Keras 3 APIs, so what runs is the test_itex_* suite.

@@ -101,11 +101,21 @@ def test_low_precision_statistics_fail_this_check():
 @pytest.mark.parametrize("policy_name", POLICIES)
 def test_sums_as_dots_match_float64(policy_name, monkeypatch):
     # Large tensors sum as matrix products; force that path on small ones
-    # (shapes used nowhere else, so the kernels are traced afresh).
+    # (shapes used nowhere else, so the kernels are traced afresh): rows
+    # (layer norm; instance norm as one row per sample and channel) and a
+    # middle axis (layer norm over it).
     monkeypatch.setattr(_path_choice, "DOT_SUM_MIN_ELEMENTS", 0)
     policy = use_policy(policy_name)
     check_normalization(
         layers.LayerNormalization(), (12, 40), 1000.0, policy, (1,), (1, 40)
+    )
+    check_normalization(
+        layers.LayerNormalization(axis=1),
+        (12, 40, 3),
+        1000.0,
+        policy,
+        (1,),
+        (1, 40, 1),
     )
     check_normalization(
         layers.InstanceNormalization(),

@@ -27,6 +27,7 @@ TensorFlow's batch-norm kernel instead (`_path_choice` decides;
 
 import tensorflow as tf
 
+from keras_amp_plus import _compat
 from keras_amp_plus.layers import (
     _batch_norm_formula,
     _channel_rows,
@@ -66,6 +67,7 @@ def _sum_over_axes(t, axes, middle_products=True):
         return tf.reduce_sum(t, axis=axes, keepdims=True)
     dims = tf.shape(t)
     summed = tf.reduce_prod(dims[axes[0] : axes[-1] + 1])
+    known_size = t.shape.num_elements()
     if trailing:  # rows times a ones column
         blocks = tf.reshape(t, tf.stack([-1, summed]))
         # A (summed, 1) column, not a transposed (1, summed) row: XLA emitted
@@ -75,12 +77,19 @@ def _sum_over_axes(t, axes, middle_products=True):
         inner = tf.reduce_prod(dims[axes[-1] + 1 :])
         blocks = tf.reshape(t, tf.stack([-1, summed, inner]))
         ones = tf.ones(tf.stack([1, summed]), t.dtype)
-        # The size is a constant to XLA, which keeps only the branch taken.
-        sums = tf.cond(
-            tf.size(blocks) >= _path_choice.DOT_SUM_MIN_ELEMENTS,
-            lambda: tf.linalg.matmul(ones, blocks),
-            lambda: tf.reduce_sum(blocks, axis=1, keepdims=True),
-        )
+
+        def as_product():
+            return tf.linalg.matmul(ones, blocks)
+
+        def as_reduction():
+            return tf.reduce_sum(blocks, axis=1, keepdims=True)
+
+        if known_size is not None:
+            large = known_size >= _path_choice.DOT_SUM_MIN_ELEMENTS
+            sums = as_product() if large else as_reduction()
+        else:  # a constant to XLA, which keeps only the branch taken
+            large = tf.size(blocks, tf.int64) >= _path_choice.DOT_SUM_MIN_ELEMENTS
+            sums = tf.cond(large, as_product, as_reduction)
     # Built from slices of the shape (not a scatter) so that XLA can still
     # evaluate it at compile time when this runs inside a jit-compiled model.
     kept = tf.concat(
@@ -378,8 +387,9 @@ def _channels_last_forward(x, gamma, beta, epsilon, output_dtype):
     """Return `(outputs, statistics)` of a channels-last instance norm.
 
     The statistics are `_normalize_forward`'s, shaped `(N, 1, ..., 1, C)`
-    in either layout (`_by_size` chooses it), so the backward pass can
-    take the other layout's view of them.
+    in either layout (`_by_size` chooses it): one shape for both branches of
+    a run-time choice and for the run-time switch's saved tensors
+    (`_size_switch`).
     """
     stat_axes = tuple(range(1, x.shape.rank - 1))
 
@@ -449,9 +459,13 @@ def _by_size(x, in_place, as_rows):
     norm shapes of the layer grid on an AMD EPYC Zen 4: in place 0.68-0.95x
     Keras's time below it, as rows 0.77-1.48x; as rows 0.46-0.85x at 2**22
     elements, in place 0.89-1.26x). A size unknown when the step is traced
-    is read at run time.
+    is read at run time, except inside XLA: there it is in place (a
+    `tf.cond` inside an XLA-compiled function cannot be differentiated twice;
+    the layers run Keras's formula there unless the kernels are forced).
     """
     elements = x.shape.num_elements()
+    if elements is None and _compat.in_xla_compiled_function():
+        return in_place()
     if elements is not None:
         return in_place() if elements < _path_choice.DOT_SUM_MIN_ELEMENTS else as_rows()
     small = tf.size(x, out_type=tf.int64) < _path_choice.DOT_SUM_MIN_ELEMENTS

@@ -2,7 +2,8 @@
 
 Where the fused kernels do not beat Keras's layers (see `_path_choice`), the
 layers run Keras's own formula, `x * inv + (beta - mean * inv)` with `inv =
-rsqrt(variance + epsilon) * gamma` (`tf.nn.moments`, elementwise ops).
+rsqrt(variance + epsilon) * gamma` (a mean, a variance that carries its own
+gradient (`_variance_about`), elementwise ops).
 Inside an XLA-compiled model XLA fuses it and TensorFlow's autodiff of it
 with its neighbours, which is what makes Keras's layers fast there; the form
 matters there: the mathematically equal `(x - mean) * inv + beta` keeps one
@@ -77,11 +78,39 @@ def formula_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     tensors like the other paths' (`_size_switch`).
     """
     x_wide = tf.cast(x, gamma.dtype)
-    mean, variance = tf.nn.moments(x_wide, list(stat_axes), keepdims=True)
+    mean = tf.reduce_mean(x_wide, list(stat_axes), keepdims=True)
+    variance = _variance_about(x_wide, mean, list(stat_axes))
     inverse_stddev = tf.math.rsqrt(variance + epsilon)
     inverse = inverse_stddev * gamma
     outputs = tf.cast(x_wide * inverse + (beta - mean * inverse), output_dtype)
     return outputs, (mean, inverse_stddev, tf.zeros([0], gamma.dtype))
+
+
+def _variance_about(x, mean, axes):
+    """Return the mean of `(x - mean)**2` over `axes`, differentiable twice.
+
+    `tf.nn.moments` stops the mean's gradient inside the variance. The
+    first-order gradient loses nothing by it (the variance's derivative along
+    the mean, `-2 * mean(x - mean)`, is zero for every x), but autodiff of
+    that gradient meets the stop again and drops the mean's share of the
+    second-order one (a gradient penalty through a model XLA compiles, where
+    autodiff of this formula is the layer's gradient). Here the gradient
+    along `mean` is that zero, while the one along `x`, `2 * (x - mean) / n`,
+    keeps `mean` differentiable: as cheap as the stop (XLA drops the zero),
+    exact at every order.
+    """
+
+    @tf.custom_gradient
+    def variance(x, mean):
+        centered = x - mean
+        count = tf.cast(tf.size(x) // tf.size(mean), x.dtype)
+
+        def grad(upstream):
+            return upstream * (2.0 / count) * centered, tf.zeros_like(mean)
+
+        return tf.reduce_mean(tf.square(centered), axes, keepdims=True), grad
+
+    return variance(x, mean)
 
 
 def formula_backward(upstream, x, gamma, saved, epsilon, stat_axes):

@@ -98,8 +98,10 @@ PATH_VARIABLE = "KERAS_AMP_PLUS_NORMALIZATION_PATH"
 
 # From this many elements on, the kernels' sums over middle axes are matrix
 # products too (one call into a vectorized GEMM instead of XLA's reduction
-# loops), and layer norm's kernels win on every CPU measured, also without
-# AVX-512 (see `benchmarks/results/layers_*.json`).
+# loops; instance norm channels last then runs as rows, whose sums are such
+# products: `_fused_normalization._by_size`), and layer norm's kernels win on
+# every CPU measured, also without AVX-512 (see
+# `benchmarks/results/layers_*.json`).
 DOT_SUM_MIN_ELEMENTS = 2**22
 
 # TensorFlow's graph rewrites that would paint the formula's statistics.

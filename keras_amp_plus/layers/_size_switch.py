@@ -231,5 +231,5 @@ def _refuse_second_order(paths):
 
 def _shape_length(x):
     """Return the length the saved tensors' shapes are padded to."""
-    # Every path saves tensors of x's rank at most (rows: rank 2).
+    # Every path saves tensors of x's rank at most (rank 2 inputs: 2).
     return max(x.shape.rank, 2)

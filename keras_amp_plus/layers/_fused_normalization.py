@@ -67,7 +67,6 @@ def _sum_over_axes(t, axes, middle_products=True):
         return tf.reduce_sum(t, axis=axes, keepdims=True)
     dims = tf.shape(t)
     summed = tf.reduce_prod(dims[axes[0] : axes[-1] + 1])
-    known_size = t.shape.num_elements()
     if trailing:  # rows times a ones column
         blocks = tf.reshape(t, tf.stack([-1, summed]))
         # A (summed, 1) column, not a transposed (1, summed) row: XLA emitted
@@ -84,6 +83,7 @@ def _sum_over_axes(t, axes, middle_products=True):
         def as_reduction():
             return tf.reduce_sum(blocks, axis=1, keepdims=True)
 
+        known_size = t.shape.num_elements()
         if known_size is not None:
             large = known_size >= _path_choice.DOT_SUM_MIN_ELEMENTS
             sums = as_product() if large else as_reduction()
@@ -351,7 +351,7 @@ def _channels_last_with_gradient(x, gamma, beta, epsilon, output_dtype):
     takes the rows of `x` again (a `tf.cond` between two custom gradients
     does not trace).
     """
-    stat_axes = tuple(range(1, x.shape.rank - 1))
+    stat_axes = _middle_axes(x)
 
     def in_place():
         return _normalize_with_gradient(
@@ -391,7 +391,7 @@ def _channels_last_forward(x, gamma, beta, epsilon, output_dtype):
     a run-time choice and for the run-time switch's saved tensors
     (`_size_switch`).
     """
-    stat_axes = tuple(range(1, x.shape.rank - 1))
+    stat_axes = _middle_axes(x)
 
     def in_place():
         return _normalize_forward(
@@ -417,17 +417,15 @@ def _channels_last_forward(x, gamma, beta, epsilon, output_dtype):
 
 def _channels_last_backward(upstream, x, gamma, statistics):
     """Return the gradients w.r.t. (x, gamma, beta) of `_channels_last_forward`."""
-    rank = x.shape.rank
 
     def in_place():
-        stat_axes = tuple(range(1, rank - 1))
         return _normalize_backward(
             upstream,
             x,
             statistics,
             gamma,
-            stat_axes,
-            tuple(range(rank - 1)),
+            _middle_axes(x),
+            _param_reduce_axes(x, gamma),
             middle_products=False,
         )
 
@@ -464,12 +462,17 @@ def _by_size(x, in_place, as_rows):
     the layers run Keras's formula there unless the kernels are forced).
     """
     elements = x.shape.num_elements()
-    if elements is None and _compat.in_xla_compiled_function():
+    if elements is None and not _compat.in_xla_compiled_function():
+        small = tf.size(x, out_type=tf.int64) < _path_choice.DOT_SUM_MIN_ELEMENTS
+        return tf.cond(small, in_place, as_rows)
+    if elements is None or elements < _path_choice.DOT_SUM_MIN_ELEMENTS:
         return in_place()
-    if elements is not None:
-        return in_place() if elements < _path_choice.DOT_SUM_MIN_ELEMENTS else as_rows()
-    small = tf.size(x, out_type=tf.int64) < _path_choice.DOT_SUM_MIN_ELEMENTS
-    return tf.cond(small, in_place, as_rows)
+    return as_rows()
+
+
+def _middle_axes(x):
+    """Return the axes between the batch and channels axes of `x`."""
+    return tuple(range(1, x.shape.rank - 1))
 
 
 def _statistics_shape(x):

@@ -103,7 +103,7 @@ def _variance_about(x, mean, axes):
     @tf.custom_gradient
     def variance(x, mean):
         centered = x - mean
-        count = tf.cast(tf.size(x) // tf.size(mean), x.dtype)
+        count = tf.cast(tf.size(x, tf.int64) // tf.size(mean, tf.int64), x.dtype)
 
         def grad(upstream):
             return upstream * (2.0 / count) * centered, tf.zeros_like(mean)

@@ -27,6 +27,7 @@ from keras_amp_plus.layers import (
     _path_calibration,
     _path_choice,
     _per_sample_batch_norm,
+    _precision,
     _size_switch,
 )
 
@@ -47,7 +48,7 @@ pytestmark = pytest.mark.usefixtures("empty_path_cache")
 @pytest.fixture(autouse=True)
 def _scaled_down_sizes(monkeypatch):
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
-    monkeypatch.setattr(_path_choice, "cpu_has_float16_arithmetic", lambda: True)
+    monkeypatch.setattr(_precision, "cpu_has_float16_arithmetic", lambda: True)
     monkeypatch.setattr(_per_sample_batch_norm, "MIN_SAMPLE_ELEMENTS", MIN_SAMPLE)
     monkeypatch.setattr(_path_choice, "LARGE_SAMPLE_ELEMENTS", LARGE_SAMPLE)
 

@@ -34,10 +34,11 @@ from keras_amp_plus.layers import (
     _path_calibration,
     _path_choice,
     _per_sample_batch_norm,
+    _precision,
 )
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
-_CPU_HAS_FLOAT16_ARITHMETIC = _path_choice.cpu_has_float16_arithmetic
+_CPU_HAS_FLOAT16_ARITHMETIC = _precision.cpu_has_float16_arithmetic
 
 pytestmark = pytest.mark.usefixtures("empty_path_cache")
 
@@ -48,7 +49,7 @@ def _float16_arithmetic(monkeypatch):
 
     Tests of CPUs without it say so; this keeps the rest CPU-independent.
     """
-    monkeypatch.setattr(_path_choice, "cpu_has_float16_arithmetic", lambda: True)
+    monkeypatch.setattr(_precision, "cpu_has_float16_arithmetic", lambda: True)
 
 
 class _StepWrapped:
@@ -565,7 +566,7 @@ def test_float16_instance_norm_skips_the_kernels_without_float16_arithmetic(
     # There XLA's float16 code made the kernels slower than Keras's layer at
     # most shapes measured and than the batch-norm kernel from its size on,
     # whatever the measurement of bfloat16 said.
-    monkeypatch.setattr(_path_choice, "cpu_has_float16_arithmetic", lambda: False)
+    monkeypatch.setattr(_precision, "cpu_has_float16_arithmetic", lambda: False)
     kernels, bn = _path_choice.FUSED_KERNELS, _path_choice.BATCH_NORM
     formula = _path_choice.KERAS_FORMULA
     cells = [

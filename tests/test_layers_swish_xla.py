@@ -16,9 +16,22 @@ from conftest import (
 )
 
 from keras_amp_plus import _compat, layers
-from keras_amp_plus.layers import _swish_activation
+from keras_amp_plus.layers import _precision, _swish_activation
 
 SHAPE = (64, 32)
+
+
+@pytest.fixture(autouse=True)
+def _float16_arithmetic(monkeypatch):
+    """A CPU with float16 arithmetic: float16 runs Keras's float16 formula.
+
+    Tests of CPUs without it say so; this keeps the rest CPU-independent.
+    """
+    monkeypatch.setattr(_precision, "cpu_has_float16_arithmetic", lambda: True)
+
+
+def _without_float16_arithmetic(monkeypatch):
+    monkeypatch.setattr(_precision, "cpu_has_float16_arithmetic", lambda: False)
 
 
 def _xla_step(layer, input_signature=None):
@@ -34,7 +47,7 @@ def _any_batch_size(dtype):
 def _force_onednn(monkeypatch, onednn):
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: onednn)
     # Small enough that the test's input counts as large.
-    small = {"float32": 1024, "bfloat16": 1024}
+    small = {"float32": 1024, "bfloat16": 1024, "float16": 1024}
     monkeypatch.setattr(_swish_activation, "RECOMPUTE_SIGMOID_MIN_ELEMENTS", small)
 
 
@@ -46,6 +59,22 @@ def test_swish_inside_xla_matches_float64(
     policy_name, trainable_beta, onednn, any_batch, monkeypatch
 ):
     _force_onednn(monkeypatch, onednn)
+    _check_swish_inside_xla(policy_name, trainable_beta, any_batch)
+
+
+@pytest.mark.parametrize("any_batch", (False, True))
+@pytest.mark.parametrize("trainable_beta", (False, True))
+def test_float16_swish_without_float16_arithmetic_is_rounded_once(
+    trainable_beta, any_batch, monkeypatch
+):
+    # Widened to float32 there, as bfloat16: as close to float64 as one
+    # float16 rounding allows, in both sigmoid choices.
+    _force_onednn(monkeypatch, False)
+    _without_float16_arithmetic(monkeypatch)
+    _check_swish_inside_xla("mixed_float16", trainable_beta, any_batch, native=False)
+
+
+def _check_swish_inside_xla(policy_name, trainable_beta, any_batch, native=True):
     compute = use_policy(policy_name).compute_dtype
     layer = layers.Swish(beta=1.5, trainable_beta=trainable_beta)
     step = _xla_step(layer, _any_batch_size(compute) if any_batch else None)
@@ -54,7 +83,7 @@ def test_swish_inside_xla_matches_float64(
         x, upstream, _, upstream64 = float_inputs((batch, SHAPE[1]), 0.0, compute)
         x = x * 4.0  # into both tails of the sigmoid
         outputs, grads = step(x, upstream)
-        if compute == "float16" and not trainable_beta:
+        if native and compute == "float16" and not trainable_beta:
             _check_keras_float16_formula(outputs, grads[0], x, upstream64)
             continue
         check_swish(outputs, grads, x, upstream64, 1.5, compute, trainable_beta)
@@ -118,6 +147,19 @@ def test_backward_pass_recomputes_the_sigmoid_where_keeping_it_cost_more(
     assert exponentials == (2 if recomputed else 1)
 
 
+def test_float16_without_float16_arithmetic_recomputes_the_sigmoid_widened(
+    monkeypatch,
+):
+    # The widened arithmetic of bfloat16 and float32, not Keras's float16
+    # formula (which keeps a float16 sigmoid: one exponential, no float32).
+    _force_onednn(monkeypatch, True)
+    _without_float16_arithmetic(monkeypatch)
+    use_policy("mixed_float16")
+    hlo = _optimized_hlo(layers.Swish(), "float16")
+    assert hlo.count(" exponential(") == 2
+    assert "f32[" in hlo
+
+
 @pytest.mark.parametrize("policy_name", ("float32", "mixed_bfloat16"))
 def test_small_inputs_keep_the_sigmoid(policy_name, monkeypatch):
     # Below the thresholds the extra exponential costs more than it saves.
@@ -135,6 +177,8 @@ def test_small_inputs_keep_the_sigmoid(policy_name, monkeypatch):
         ("mixed_bfloat16", False, 16, 1),
         ("mixed_bfloat16", True, SHAPE[0], 1),
         ("mixed_float16", False, SHAPE[0], 1),
+        ("emulated_float16", False, SHAPE[0], 2),
+        ("emulated_float16", False, 16, 1),
     ),
 )
 def test_a_step_traced_for_any_batch_size_chooses_by_the_compiled_size(
@@ -142,6 +186,9 @@ def test_a_step_traced_for_any_batch_size_chooses_by_the_compiled_size(
 ):
     # XLA compiles each batch size with its size known and folds the choice.
     _force_onednn(monkeypatch, onednn)
+    if policy_name == "emulated_float16":  # a CPU without float16 arithmetic
+        _without_float16_arithmetic(monkeypatch)
+        policy_name = "mixed_float16"
     compute = use_policy(policy_name).compute_dtype
     shape = (batch, SHAPE[1])
     count = _exponentials_in_compiled_step(

@@ -70,8 +70,12 @@ import os
 
 import tensorflow as tf
 
-from keras_amp_plus import _compat, _hardware
-from keras_amp_plus.layers import _path_calibration, _per_sample_batch_norm
+from keras_amp_plus import _compat
+from keras_amp_plus.layers import (
+    _path_calibration,
+    _per_sample_batch_norm,
+    _precision,
+)
 
 FUSED_KERNELS = _path_calibration.FUSED_KERNELS
 KERAS_FORMULA = _path_calibration.KERAS_FORMULA
@@ -339,23 +343,6 @@ def _float32_without_onednn(dtype) -> bool:
     return tf.as_dtype(dtype).size >= 4 and _compat.onednn_enabled() is False
 
 
-def _float16_without_float16_arithmetic(dtype) -> bool:
-    """Return True for float16 inputs on a CPU known to lack float16 arithmetic."""
-    return tf.as_dtype(dtype) == tf.float16 and cpu_has_float16_arithmetic() is False
-
-
-@functools.cache
-def cpu_has_float16_arithmetic() -> bool | None:
-    """Return whether this CPU has AVX512-FP16 or AMX-FP16 (None: unknown).
-
-    Example:
-    >>> cpu_has_float16_arithmetic() in (True, False, None)
-    True
-    """
-    features = _hardware.cpu_facts()["features"]
-    return _hardware.has_any(features, _hardware.FLOAT16_FLAGS)
-
-
 def _path_without_size(
     elements, trailing_statistics, batch_norm_applies, per_sample_applies=False
 ):
@@ -401,7 +388,7 @@ def _graph_step_path(
     if large and trailing_statistics:
         return FUSED_KERNELS
     applies = (batch_norm_applies, per_sample_applies)
-    if not trailing_statistics and _float16_without_float16_arithmetic(dtype):
+    if not trailing_statistics and _precision.emulated_float16(dtype):
         return _batch_norm_or_formula(elements, *applies, "half")
     unavailable = () if per_sample_applies else (PER_SAMPLE_BATCH_NORM,)
     measured = _path_calibration.measured_path(

@@ -1,6 +1,10 @@
 """The wide dtype the layers compute statistics and activations in."""
 
+import functools
+
 import tensorflow as tf
+
+from keras_amp_plus import _hardware
 
 
 def statistics_dtype(dtype) -> tf.DType:
@@ -57,3 +61,29 @@ def broadcast_weights(gamma, beta, inputs, kept_axes):
         return tf.reshape(tf.cast(weight, dtype), shape)
 
     return reshaped(gamma, 1.0), reshaped(beta, 0.0)
+
+
+@functools.cache
+def cpu_has_float16_arithmetic() -> bool | None:
+    """Return whether this CPU has AVX512-FP16 or AMX-FP16 (None: unknown).
+
+    Without them each float16 operation runs as a float32 one whose result is
+    rounded back to float16: slower than the same arithmetic done in float32
+    and rounded once at the end.
+
+    Example:
+    >>> cpu_has_float16_arithmetic() in (True, False, None)
+    True
+    """
+    features = _hardware.cpu_facts()["features"]
+    return _hardware.has_any(features, _hardware.FLOAT16_FLAGS)
+
+
+def emulated_float16(dtype) -> bool:
+    """Return True for float16 on a CPU known to lack float16 arithmetic.
+
+    Example:
+    >>> emulated_float16("bfloat16")
+    False
+    """
+    return tf.as_dtype(dtype) == tf.float16 and cpu_has_float16_arithmetic() is False

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 from keras_amp_plus import _compat
-from keras_amp_plus.layers import _row_buckets, _validation
+from keras_amp_plus.layers import _precision, _row_buckets, _validation
 from keras_amp_plus.layers._precision import statistics_dtype
 
 # Inside XLA, inputs from this many elements on recompute the sigmoid in the
@@ -16,7 +16,13 @@ from keras_amp_plus.layers._precision import statistics_dtype
 # threshold, so each step maps and faults it in afresh (TensorFlow's
 # allocator hands such buffers to the system allocator unless oneDNN's pool
 # is on).
-RECOMPUTE_SIGMOID_MIN_ELEMENTS = {"float32": 2**22, "bfloat16": 2**23}
+# float16 inputs on CPUs without float16 arithmetic widen to float32 (as
+# bfloat16 ones do) and recompute from 512K elements on.
+RECOMPUTE_SIGMOID_MIN_ELEMENTS = {
+    "float32": 2**22,
+    "bfloat16": 2**23,
+    "float16": 2**19,
+}
 
 
 def _swish_values(x, beta):
@@ -110,10 +116,13 @@ def _recompute_threshold(x) -> int | None:
     exponential costs more for small inputs (on CPUs without AVX-512 most),
     the memory traffic for large ones: float32 inputs recompute it from
     `RECOMPUTE_SIGMOID_MIN_ELEMENTS` on, bfloat16 inputs (whose own size is
-    half the kept sigmoid's) only where TensorFlow's oneDNN kernels are off.
-    float16 inputs always keep it (Keras's formula with a fixed `beta`,
+    half the kept sigmoid's) only where TensorFlow's oneDNN kernels are off,
+    float16 inputs where the CPU lacks float16 arithmetic. float16 inputs on
+    a CPU with it keep it (Keras's formula with a fixed `beta`,
     `_swish_for_xla`): None.
     """
+    if _precision.emulated_float16(x.dtype):
+        return RECOMPUTE_SIGMOID_MIN_ELEMENTS["float16"]
     if x.dtype == tf.float16:
         return None
     wide = x.dtype.size >= 4  # float32 or float64
@@ -163,9 +172,10 @@ def _swish_for_xla(x, beta, with_beta_grad):
     backward pass recomputes the sigmoid from x where that is faster than
     keeping it (`_recompute_threshold`); where XLA keeps it, it is
     TensorFlow's `silu` gradient, except for float16 inputs with a fixed
-    `beta`: there Keras's own formula, in float16, which XLA runs
-    natively on CPUs with AVX512-FP16 and which was faster than widening to
-    float32.
+    `beta` on a CPU with float16 arithmetic (AVX512-FP16): there Keras's own
+    formula, in float16, which was faster there than widening to float32.
+    Without that arithmetic each float16 operation is widened and rounded
+    back on its own, and the widened formula was faster.
     """
     threshold = _recompute_threshold(x)
     if threshold is not None:
@@ -175,7 +185,8 @@ def _swish_for_xla(x, beta, with_beta_grad):
             return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, large)
         if elements >= threshold:
             return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, True)
-    if x.dtype == tf.float16 and not with_beta_grad:
+    native_float16 = x.dtype == tf.float16 and not _precision.emulated_float16(x.dtype)
+    if native_float16 and not with_beta_grad:
         return tf.nn.silu(x, tf.cast(beta, x.dtype))
     return tf.cast(tf.nn.silu(tf.cast(x, beta.dtype), beta), x.dtype)
 
@@ -312,16 +323,16 @@ class Swish(keras.layers.Layer):
     oneDNN's swish kernel, which runs the bfloat16 forward pass with the
     default `beta` in graph steps where TensorFlow's oneDNN kernels are on
     (grappler fuses `x * sigmoid(x)` into it; the float32 one too where the
-    input's length varies). Inside a
-    model compiled with `jit_compile=True` the layer is plain ops XLA fuses
-    with its neighbours (float16 with a fixed `beta`: Keras's formula, in
-    float16, as `Activation("swish")`). In graph and eager steps the
+    input's length varies). Inside a model compiled with `jit_compile=True`
+    the layer is plain ops XLA fuses with its neighbours (float16 with a fixed
+    `beta` on a CPU with float16 arithmetic: Keras's formula, in float16, as
+    `Activation("swish")`). In graph and eager steps the
     gradient recomputes the sigmoid instead of storing it, so a training step
     keeps no more than `Activation("swish")` does. Inside a compiled model
     the backward pass recomputes it only for inputs large enough that this
     was faster (`_recompute_threshold`; XLA knows every size); elsewhere XLA
-    keeps the sigmoid between the passes, in float32 (a float16 input with a
-    fixed `beta`: Keras's, in float16), as that was faster. XLA
+    keeps the sigmoid between the passes, in float32 (where float16 runs
+    Keras's formula: in float16), as that was faster. XLA
     compiles a kernel per input shape, so inputs whose length changes from
     batch to batch are padded to one of two sizes per power of two (bounded
     compilations). With

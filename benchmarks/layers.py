@@ -39,11 +39,15 @@ rule from CPU features); the measured cells go into the JSON.
 weights, its own function) timed in the same rounds; its ratio to Keras's shows
 how far a ratio moves when nothing differs.
 
-`--floor` adds, in XLA steps, the least any implementation can cost there:
-`AffineFloor`, a float32 per-channel scale and shift (Swish: a float32
-multiply) with the same inputs, outputs and weight gradients as the layer but
-no statistics. Its ratio to Keras's is the lowest ratio a normalization (or
-activation) could reach inside that XLA step.
+`--floor` adds the least an implementation pays for the layer's inputs and
+outputs: `AffineFloor`, a float32 per-channel scale and shift (Swish: a
+float32 multiply) with the same inputs, outputs and weight gradients as the
+layer but no statistics. In XLA steps it is fused with nothing else, as the
+layer is; in graph steps the lower of its two forms, plain TensorFlow ops
+(as Keras's formula and the batch-norm paths run) and one XLA kernel per
+pass (as the fused kernels run), each timed in the same rounds. Its ratio to
+Keras's is the lowest ratio a normalization (or activation) built of
+TensorFlow ops or XLA kernels could reach in that step.
 
 The header names the CPU and its bfloat16 features; the JSON written to
 `benchmarks/results/` (named per CPU kind) carries them with every cell.
@@ -141,11 +145,16 @@ def layer_pair(kind):
 
 
 class AffineFloor(keras.layers.Layer):
-    """Float32 `x * gamma + beta` over the last axis (`kind` "Swish": `x * 2`)."""
+    """Float32 `x * gamma + beta` over the last axis (`kind` "Swish": `x * 2`).
 
-    def __init__(self, kind, **kwargs):
+    `kernels=True` runs each pass as one XLA kernel, as the layers' fused
+    kernels do (in XLA steps both forms are the same program).
+    """
+
+    def __init__(self, kind, kernels=False, **kwargs):
         super().__init__(**kwargs)
         self.kind = kind
+        self.kernels = kernels
 
     def build(self, input_shape):
         if self.kind != "Swish":
@@ -153,12 +162,47 @@ class AffineFloor(keras.layers.Layer):
             self.beta = self.add_weight(shape=input_shape[-1:], initializer="zeros")
 
     def call(self, inputs):
-        wide = keras.ops.cast(inputs, "float32")
         if self.kind == "Swish":
-            return keras.ops.cast(wide * 2.0, self.compute_dtype)
-        gamma = keras.ops.cast(self.gamma, "float32")
-        beta = keras.ops.cast(self.beta, "float32")
-        return keras.ops.cast(wide * gamma + beta, self.compute_dtype)
+            gamma, beta = tf.constant(2.0), tf.constant(0.0)
+        else:
+            gamma = keras.ops.cast(self.gamma, "float32")
+            beta = keras.ops.cast(self.beta, "float32")
+        if not self.kernels:
+            return _affine(inputs, gamma, beta)
+        if self.kind == "Swish":
+            return _affine_in_kernels(inputs, gamma, beta, weight_grads=False)
+        return _affine_in_kernels(inputs, gamma, beta, weight_grads=True)
+
+
+def _affine(x, gamma, beta):
+    return tf.cast(tf.cast(x, tf.float32) * gamma + beta, x.dtype)
+
+
+@tf.function(jit_compile=True)
+def _affine_forward(x, gamma, beta):
+    return _affine(x, gamma, beta)
+
+
+@tf.function(jit_compile=True)
+def _affine_backward(upstream, x, gamma, weight_grads):
+    wide = tf.cast(upstream, tf.float32)
+    x_grad = tf.cast(wide * gamma, x.dtype)
+    if not weight_grads:
+        return x_grad, tf.zeros_like(gamma), tf.zeros_like(gamma)
+    axes = list(range(x.shape.rank - 1))
+    gamma_grad = tf.reduce_sum(wide * tf.cast(x, tf.float32), axes)
+    return x_grad, gamma_grad, tf.reduce_sum(wide, axes)
+
+
+def _affine_in_kernels(x, gamma, beta, weight_grads):
+    @tf.custom_gradient
+    def affine(x, gamma, beta):
+        def grad(upstream):
+            return _affine_backward(upstream, x, gamma, weight_grads)
+
+        return _affine_forward(x, gamma, beta), grad
+
+    return affine(x, gamma, beta)
 
 
 def make_step(layer, step_kind, shape, dtype):
@@ -253,21 +297,24 @@ def time_cell(
     try:
         ours, theirs, again = build_pair(kind, shape, policy)
         dtype = keras.config.dtype_policy().compute_dtype
-        affine = AffineFloor(kind)
-        affine.build(shape)
+        floors = {"floor": AffineFloor(kind)}
+        if step_kind not in XLA_STEPS:
+            floors["floor_kernels"] = AffineFloor(kind, kernels=True)
+        for floor_layer in floors.values():
+            floor_layer.build(shape)
     finally:
         keras.config.set_dtype_policy(previous)
     x, upstream = inputs_for(shape, dtype)
-    jit = step_kind in XLA_STEPS
     steps = {
         who: make_step(layer, step_kind, shape, dtype)
         for who, layer in (("ours", ours), ("keras", theirs))
     }
     outputs = {who: step(x, upstream)[0] for who, step in steps.items()}
     error = check_close(outputs["ours"], outputs["keras"], dtype)
-    if floor and jit:
-        steps["floor"] = make_step(affine, step_kind, shape, dtype)
-        steps["floor"](x, upstream)
+    if floor:
+        for name, floor_layer in floors.items():
+            steps[name] = make_step(floor_layer, step_kind, shape, dtype)
+            steps[name](x, upstream)
     if control:
         steps["keras_again"] = make_step(again, step_kind, shape, dtype)
         steps["keras_again"](x, upstream)
@@ -275,8 +322,11 @@ def time_cell(
     ours_ms, keras_ms = medians["ours"], medians["keras"]
     floor_cells = {}
     if "floor" in medians:
-        floor_ms = medians["floor"]
+        floor_ms = min(medians["floor"], medians.get("floor_kernels", math.inf))
         floor_cells = {"floor_ms": floor_ms, "floor_ratio": floor_ms / keras_ms}
+        if "floor_kernels" in medians:
+            floor_cells["floor_ops_ms"] = medians["floor"]
+            floor_cells["floor_kernels_ms"] = medians["floor_kernels"]
     if "keras_again" in medians:
         floor_cells["control_ratio"] = medians["keras_again"] / keras_ms
     return {
@@ -348,7 +398,7 @@ def parse_args():
         "--no-calibrate", action="store_true", help="skip measuring the paths"
     )
     parser.add_argument(
-        "--floor", action="store_true", help="also time AffineFloor in XLA steps"
+        "--floor", action="store_true", help="also time AffineFloor (the floor)"
     )
     parser.add_argument(
         "--control", action="store_true", help="also time Keras's layer again (A/A)"

@@ -41,7 +41,7 @@ BENCHMARKS := benchmarks/layers.py benchmarks/paths.py benchmarks/variable_lengt
 	benchmarks/batch_switch.py \
 	benchmarks/cpu_allocator.py benchmarks/training.py benchmarks/loss_scale.py \
 	benchmarks/finite_flags.py benchmarks/fused_update.py benchmarks/monitor.py \
-	benchmarks/moments_gradient.py
+	benchmarks/moments_gradient.py benchmarks/swish_xla.py
 
 # The whole tests/ directory: conftest.py skips, with the reason, every module
 # written against Keras 3 APIs, so what runs is the test_itex_* suite.
@@ -55,6 +55,8 @@ bench-itex: $(ITEX_PY)
 bench: $(PY)
 	$(PY) benchmarks/layers.py --control --floor
 	$(PY) benchmarks/paths.py --layers IN LN
+	$(PY) benchmarks/moments_gradient.py
+	$(PY) benchmarks/swish_xla.py
 	$(PY) benchmarks/variable_length.py
 	$(PY) benchmarks/batch_switch.py
 	TF_ENABLE_ONEDNN_OPTS=0 $(PY) benchmarks/cpu_allocator.py

@@ -39,15 +39,16 @@ rule from CPU features); the measured cells go into the JSON.
 weights, its own function) timed in the same rounds; its ratio to Keras's shows
 how far a ratio moves when nothing differs.
 
-`--floor` adds the least an implementation pays for the layer's inputs and
-outputs: `AffineFloor`, a float32 per-channel scale and shift (Swish: a
-float32 multiply) with the same inputs, outputs and weight gradients as the
-layer but no statistics. In XLA steps it is fused with nothing else, as the
-layer is; in graph steps the lower of its two forms, plain TensorFlow ops
-(as Keras's formula and the batch-norm paths run) and one XLA kernel per
-pass (as the fused kernels run), each timed in the same rounds. Its ratio to
-Keras's is the lowest ratio a normalization (or activation) built of
-TensorFlow ops or XLA kernels could reach in that step.
+`--floor` adds a reference for what the layer's inputs and outputs cost:
+`AffineFloor`, a float32 per-channel scale and shift (Swish: a float32
+multiply) with the same inputs, outputs and weight gradients as the layer
+but no statistics, written plainly. In XLA steps it is fused with nothing
+else, as the layer is; in graph steps it is the lower of its two forms,
+plain TensorFlow ops (as Keras's formula and the batch-norm paths run) and
+one XLA kernel per pass (as the fused kernels run), each timed in the same
+rounds. It is not a lower bound: a layer whose sums are cheaper than the
+affine's weight-gradient reductions runs below it (the layer-norm kernels
+do, their sums being matrix products).
 
 The header names the CPU and its bfloat16 features; the JSON written to
 `benchmarks/results/` (named per CPU kind) carries them with every cell.
@@ -382,7 +383,8 @@ def print_summary(summary):
     print(
         f"(* misses the target: worst <= {TARGET_WORST}, median <= {TARGET_MEDIAN};"
         " ratio = ours / Keras's CPU time, forward + backward; floor = median"
-        " of AffineFloor / Keras's, the lowest ratio reachable in that step;"
+        " of AffineFloor / Keras's, an affine layer with the same inputs and"
+        " outputs and no statistics (a reference, not a bound);"
         " A/A = worst ratio of a second Keras layer to Keras's, the noise)"
     )
 

@@ -1,0 +1,143 @@
+"""Swish inside XLA: Keras's formula vs widened, sigmoid kept or recomputed.
+
+Inside a step XLA compiles whole, the Swish layer is plain ops; what it
+chooses there is whether to compute in the input's dtype (Keras's
+`Activation("swish")`, `tf.nn.silu`) or widened to float32 and rounded once,
+and whether the backward pass keeps the forward's sigmoid or recomputes it
+(`_swish_activation._recompute_threshold`). This script times one forward +
+backward step (`jit_compile=True`, the input's gradient) of each form and of
+a float32 multiply (the affine reference of `benchmarks/layers.py`),
+interleaved in an order shuffled each round, median process CPU time, at
+Swish shapes of the layer grid and below, per dtype; prints each form's time
+as a ratio to Keras's formula and writes JSON named per CPU kind.
+
+Usage: python benchmarks/swish_xla.py [--quick] [--reps N] [--dtypes ...]
+    [--output PATH]
+"""
+
+import argparse
+import os
+import pathlib
+import random
+import statistics
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf
+from layers import RESULTS
+from machine import cpu_kind, print_header, write_results
+
+from keras_amp_plus.layers import _swish_activation
+
+SHAPES = (
+    (256, 256),
+    (512, 512),
+    (512, 1024),
+    (1024, 2048),
+    (2048, 2048),
+    (4096, 2048),
+    (8192, 4096),
+)
+DTYPES = ("float16", "float32", "bfloat16")
+ONE = 1.0
+
+
+def keras_formula(x):
+    """`Activation("swish")`: `tf.nn.silu` in the input's dtype."""
+    return tf.nn.silu(x)
+
+
+def widened_kept(x):
+    """float32 arithmetic, rounded once; the backward reads the kept sigmoid."""
+    beta = tf.constant(ONE, tf.float32)
+    keep = tf.constant(False)
+    return _swish_activation._swish_choosing_backward_sigmoid(x, beta, False, keep)
+
+
+def widened_recomputed(x):
+    """float32 arithmetic, rounded once; the backward recomputes the sigmoid."""
+    beta = tf.constant(ONE, tf.float32)
+    return _swish_activation._swish_choosing_backward_sigmoid(x, beta, False, True)
+
+
+def affine(x):
+    """A float32 multiply: what the input and output cost, no sigmoid."""
+    return tf.cast(tf.cast(x, tf.float32) * 2.0, x.dtype)
+
+
+FORMS = {
+    "keras_formula": keras_formula,
+    "widened_kept": widened_kept,
+    "widened_recomputed": widened_recomputed,
+    "affine": affine,
+}
+
+
+def xla_step(form):
+    """Return a `jit_compile=True` forward + backward step of `form`."""
+
+    @tf.function(jit_compile=True)
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = form(x)
+        return outputs, tape.gradient(outputs, x, output_gradients=upstream)
+
+    return step
+
+
+def time_cell(shape, dtype, reps):
+    """Return the median CPU ms of each form's step at `shape` in `dtype`."""
+    x = tf.cast(tf.random.stateless_normal(shape, (1, 2), 0.5), dtype)
+    upstream = tf.cast(tf.random.stateless_normal(shape, (3, 4)), dtype)
+    steps = {name: xla_step(form) for name, form in FORMS.items()}
+    for step in steps.values():  # compile, warm
+        step(x, upstream)
+        step(x, upstream)
+    times = {name: [] for name in steps}
+    order, shuffle = list(steps), random.Random(0).shuffle
+    for _ in range(reps):
+        shuffle(order)
+        for name in order:
+            start = time.process_time()
+            steps[name](x, upstream)[1].numpy()
+            times[name].append(time.process_time() - start)
+    return {name: 1e3 * statistics.median(values) for name, values in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 shapes, 5 reps")
+    parser.add_argument("--reps", type=int, default=None, help="default 15")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--output", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    info = print_header("Swish inside XLA, forward + backward, ratio to Keras's")
+    suffix = "_quick" if args.quick else ""
+    output = args.output or RESULTS / f"swish_xla_{cpu_kind(info)}{suffix}.json"
+    reps = args.reps or (5 if args.quick else 15)
+    shapes = SHAPES[1:4] if args.quick else SHAPES
+    others = [name for name in FORMS if name != "keras_formula"]
+    header = " ".join(f"{name:>18}" for name in others)
+    print(f"\n{'shape':<14} {'dtype':<9} {'keras ms':>9} {header}")
+    rows = []
+    for dtype in args.dtypes:
+        for shape in shapes:
+            ms = time_cell(shape, dtype, reps)
+            ratios = {name: ms[name] / ms["keras_formula"] for name in others}
+            rows.append(
+                {"shape": list(shape), "dtype": dtype, "ms": ms, "ratios": ratios}
+            )
+            cells = " ".join(f"{ratios[name]:18.2f}" for name in others)
+            print(
+                f"{shape!s:<14} {dtype:<9} {ms['keras_formula']:9.2f} {cells}",
+                flush=True,
+            )
+    print("(ratio = the form's / Keras's formula's median process CPU time)")
+    write_results(output, info, {"rows": rows}, reps=reps, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()

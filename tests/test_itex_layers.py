@@ -219,7 +219,7 @@ def test_swish_inside_xla_traced_for_any_batch_size_matches_float64(
     # As `fit(jit_compile=True)` traces a pipeline with a partial last batch;
     # small thresholds make the larger batch recompute the sigmoid.
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: False)
-    small = {"float32": 1024, "bfloat16": 1024}
+    small = dict.fromkeys(_swish_activation.RECOMPUTE_SIGMOID_MIN_ELEMENTS, 1024)
     monkeypatch.setattr(_swish_activation, "RECOMPUTE_SIGMOID_MIN_ELEMENTS", small)
     layer = kap.layers.Swish(beta=1.5, trainable_beta=True, dtype=policy)
     layer.build((None, 32))

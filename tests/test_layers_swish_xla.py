@@ -47,7 +47,7 @@ def _any_batch_size(dtype):
 def _force_onednn(monkeypatch, onednn):
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: onednn)
     # Small enough that the test's input counts as large.
-    small = {"float32": 1024, "bfloat16": 1024, "float16": 1024}
+    small = dict.fromkeys(_swish_activation.RECOMPUTE_SIGMOID_MIN_ELEMENTS, 1024)
     monkeypatch.setattr(_swish_activation, "RECOMPUTE_SIGMOID_MIN_ELEMENTS", small)
 
 

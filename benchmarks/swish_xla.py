@@ -7,7 +7,8 @@ and whether the backward pass keeps the forward's sigmoid or recomputes it
 (`_swish_activation._recompute_threshold`). This script times one forward +
 backward step (`jit_compile=True`, the input's gradient) of each form and of
 a float32 multiply (the affine reference of `benchmarks/layers.py`),
-interleaved in an order shuffled each round, median process CPU time, at
+interleaved in an order shuffled each round (`layers.time_interleaved`: more
+rounds for cheap cells), median process CPU time, at
 Swish shapes of the layer grid and below, per dtype; prints each form's time
 as a ratio to Keras's formula and writes JSON named per CPU kind.
 
@@ -18,15 +19,12 @@ Usage: python benchmarks/swish_xla.py [--quick] [--reps N] [--dtypes ...]
 import argparse
 import os
 import pathlib
-import random
-import statistics
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf
-from layers import RESULTS
+from layers import RESULTS, time_interleaved
 from machine import cpu_kind, print_header, write_results
 
 from keras_amp_plus.layers import _swish_activation
@@ -93,18 +91,9 @@ def time_cell(shape, dtype, reps):
     x = tf.cast(tf.random.stateless_normal(shape, (1, 2), 0.5), dtype)
     upstream = tf.cast(tf.random.stateless_normal(shape, (3, 4)), dtype)
     steps = {name: xla_step(form) for name, form in FORMS.items()}
-    for step in steps.values():  # compile, warm
+    for step in steps.values():  # compile
         step(x, upstream)
-        step(x, upstream)
-    times = {name: [] for name in steps}
-    order, shuffle = list(steps), random.Random(0).shuffle
-    for _ in range(reps):
-        shuffle(order)
-        for name in order:
-            start = time.process_time()
-            steps[name](x, upstream)[1].numpy()
-            times[name].append(time.process_time() - start)
-    return {name: 1e3 * statistics.median(values) for name, values in times.items()}
+    return time_interleaved(steps, (x, upstream), reps)[0]
 
 
 def main():

@@ -212,32 +212,9 @@ def _fit_swish_model(activation, batches):
     return history.history["loss"], model.get_weights()
 
 
-def test_fit_with_jit_compile_trains_as_keras_does_through_both_choices(monkeypatch):
-    # `fit(jit_compile=True)` on a pipeline with a partial last batch: the
-    # full batches recompute the sigmoid, the last one keeps it. The same
-    # weights trained with Keras's activation must follow the same path.
-    _force_onednn(monkeypatch, False)
-    use_policy("float32")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(100, SHAPE[1])).astype("float32")
-    y = np.sin(x[:, :1])
-    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(48)  # 48, 48, 4
-    ours = _fit_swish_model(layers.Swish(), batches)
-    theirs = _fit_swish_model(keras.layers.Activation("swish"), batches)
-    assert ours[0][-1] < ours[0][0]
-    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
-    for mine, keras_weight in zip(ours[1], theirs[1], strict=True):
-        np.testing.assert_allclose(mine, keras_weight, rtol=1e-4, atol=1e-6)
-
-
-def test_float16_fit_with_jit_compile_without_float16_arithmetic(monkeypatch):
-    # `mixed_float16` `fit(jit_compile=True)` with Keras's loss scaling where
-    # the layer widens float16: the full batches recompute the sigmoid, the
-    # last one keeps it; the losses follow Keras's float16 activation to
-    # within float16 rounding, and the model trains.
-    _force_onednn(monkeypatch, False)
-    _without_float16_arithmetic(monkeypatch)
-    use_policy("mixed_float16")
+def _fit_ours_and_keras(policy_name):
+    """Train the model with our Swish and with Keras's on a partial last batch."""
+    use_policy(policy_name)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(100, SHAPE[1])).astype("float32")
     y = np.sin(x[:, :1])
@@ -245,8 +222,29 @@ def test_float16_fit_with_jit_compile_without_float16_arithmetic(monkeypatch):
     ours = _fit_swish_model(layers.Swish(), batches)
     theirs = _fit_swish_model(keras.layers.Activation("swish"), batches)
     assert np.isfinite(ours[0]).all() and ours[0][-1] < ours[0][0]
-    # Measured 1.4e-4 and 4e-5 apart; with the recomputed sigmoid wrong (the
-    # exponential not squared) 3.9e-3 and 2.3e-3.
+    return ours, theirs
+
+
+def test_fit_with_jit_compile_trains_as_keras_does_through_both_choices(monkeypatch):
+    # `fit(jit_compile=True)` on a pipeline with a partial last batch: the
+    # full batches recompute the sigmoid, the last one keeps it. The same
+    # weights trained with Keras's activation must follow the same path.
+    _force_onednn(monkeypatch, False)
+    ours, theirs = _fit_ours_and_keras("float32")
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
+    for mine, keras_weight in zip(ours[1], theirs[1], strict=True):
+        np.testing.assert_allclose(mine, keras_weight, rtol=1e-4, atol=1e-6)
+
+
+def test_float16_fit_with_jit_compile_without_float16_arithmetic(monkeypatch):
+    # `mixed_float16` `fit(jit_compile=True)` with Keras's loss scaling where
+    # the layer widens float16, through both sigmoid choices: Keras's float16
+    # activation's losses and weights, to within float16 rounding (measured
+    # 1.4e-4 and 4e-5 apart; with the recomputed sigmoid wrong, the
+    # exponential not squared, 3.9e-3 and 2.3e-3).
+    _force_onednn(monkeypatch, False)
+    _without_float16_arithmetic(monkeypatch)
+    ours, theirs = _fit_ours_and_keras("mixed_float16")
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-3)
     for mine, keras_weight in zip(ours[1], theirs[1], strict=True):
         np.testing.assert_allclose(mine, keras_weight, rtol=1e-3, atol=2e-4)

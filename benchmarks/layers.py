@@ -170,9 +170,8 @@ class AffineFloor(keras.layers.Layer):
             beta = keras.ops.cast(self.beta, "float32")
         if not self.kernels:
             return _affine(inputs, gamma, beta)
-        if self.kind == "Swish":
-            return _affine_in_kernels(inputs, gamma, beta, weight_grads=False)
-        return _affine_in_kernels(inputs, gamma, beta, weight_grads=True)
+        weight_grads = self.kind != "Swish"
+        return _affine_in_kernels(inputs, gamma, beta, weight_grads)
 
 
 def _affine(x, gamma, beta):

@@ -13,7 +13,11 @@ by call in an order shuffled each round, median process CPU time. It is the
 evidence behind the rules a measurement does not decide (float16 instance
 norms without float16 arithmetic, for one) and shows which path a CPU should
 take where. For instance norm it also times the kernels in their earlier
-layout, channels as rows at every size (`fused_kernels_as_rows`).
+layout, channels as rows at every size (`fused_kernels_as_rows`), and in
+float16 TensorFlow's batch-norm kernel in float16 (`batch_norm_float16_kernel`,
+`per_sample_batch_norm_float16_kernel`) beside the paths as the layer runs
+them, which on a CPU without float16 arithmetic widen to the float32 kernel
+(`_precision.kernel_dtype`).
 
 The header names the CPU; the JSON written to `benchmarks/results/` (named per
 CPU kind) carries it with every cell.
@@ -48,7 +52,7 @@ from layers import (
 )
 from machine import cpu_kind, print_header, write_results
 
-from keras_amp_plus.layers import _path_choice, _per_sample_batch_norm
+from keras_amp_plus.layers import _path_choice, _per_sample_batch_norm, _precision
 
 STEPS = ("graph", "tfdata")
 # The kernels with instance norm's channels as rows of the transposed input at
@@ -56,6 +60,9 @@ STEPS = ("graph", "tfdata")
 # `_path_choice.DOT_SUM_MIN_ELEMENTS` they run in place): timed beside the
 # others to show what the layout is worth.
 KERNELS_AS_ROWS = "fused_kernels_as_rows"
+# The batch-norm paths with the kernel in float16, as CPUs with float16
+# arithmetic run them (float16 inputs only; suffix of the path's name).
+FLOAT16_KERNEL = "_float16_kernel"
 PATHS = {
     "IN": (
         _path_choice.KERAS_FORMULA,
@@ -68,12 +75,16 @@ PATHS = {
 }
 
 
-def applicable_paths(kind, shape):
+def applicable_paths(kind, shape, dtype):
     """Return the paths of `kind` that can run at `shape` (none falls back)."""
     sample_elements = math.prod(shape[1:])
     small = sample_elements < _per_sample_batch_norm.MIN_SAMPLE_ELEMENTS
     per_sample = _path_choice.PER_SAMPLE_BATCH_NORM
-    return [path for path in PATHS[kind] if not (path == per_sample and small)]
+    paths = [path for path in PATHS[kind] if not (path == per_sample and small)]
+    batch_norm_paths = (_path_choice.BATCH_NORM, per_sample)
+    if dtype == "float16":
+        paths += [p + FLOAT16_KERNEL for p in paths if p in batch_norm_paths]
+    return paths
 
 
 def traced_with_path(step, path, x, upstream):
@@ -81,19 +92,27 @@ def traced_with_path(step, path, x, upstream):
 
     `KERNELS_AS_ROWS`: the kernels, with the dot size (from which instance
     norm's kernels take the rows layout) set to 1 while the step traces.
+    A path ending in `FLOAT16_KERNEL`: that path, on a CPU taken to have
+    float16 arithmetic while the step traces.
     """
     previous = os.environ.get(_path_choice.PATH_VARIABLE)
     as_rows = path == KERNELS_AS_ROWS
+    float16_kernel = path.endswith(FLOAT16_KERNEL)
+    path = path.removesuffix(FLOAT16_KERNEL)
     os.environ[_path_choice.PATH_VARIABLE] = (
         _path_choice.FUSED_KERNELS if as_rows else path
     )
     dot_sum_min = _path_choice.DOT_SUM_MIN_ELEMENTS
+    has_float16_arithmetic = _precision.cpu_has_float16_arithmetic
     if as_rows:
         _path_choice.DOT_SUM_MIN_ELEMENTS = 1
+    if float16_kernel:
+        _precision.cpu_has_float16_arithmetic = lambda: True
     try:
         return step(x, upstream)
     finally:
         _path_choice.DOT_SUM_MIN_ELEMENTS = dot_sum_min
+        _precision.cpu_has_float16_arithmetic = has_float16_arithmetic
         if previous is None:
             del os.environ[_path_choice.PATH_VARIABLE]
         else:
@@ -108,7 +127,7 @@ def build_steps(kind, shape, policy, step_kind):
         ours, theirs, again = build_pair(kind, shape, policy)
         dtype = keras.config.dtype_policy().compute_dtype
         forced = {}
-        for path in applicable_paths(kind, shape):
+        for path in applicable_paths(kind, shape, dtype):
             layer = layer_pair(kind)[0]
             layer.build(shape)
             layer.set_weights(ours.get_weights())

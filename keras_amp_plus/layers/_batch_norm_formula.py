@@ -8,13 +8,15 @@ batch axis next to the channels, `(H, W, N, C)` reshaped to
 `FusedBatchNormV3` (oneDNN's kernel where oneDNN is on, Eigen's elsewhere)
 then computes forward and backward in one pass each, with float32 statistics
 for bfloat16 and float16 inputs, instead of the dozen ops of Keras's formula
-and its gradient. The two transposes cost one copy each way. Where it beats
-the other paths is measured (`_path_calibration`).
+and its gradient. The two transposes cost one copy each way. float16 inputs
+on a CPU without float16 arithmetic run the float32 kernel, widened after the
+transpose and rounded before the one back (`_precision.kernel_dtype`). Where
+it beats the other paths is measured (`_path_calibration`).
 """
 
 import tensorflow as tf
 
-from keras_amp_plus.layers import _channel_rows
+from keras_amp_plus.layers import _channel_rows, _precision
 
 # The kernel raises epsilon to this minimum (cuDNN's); smaller ones would
 # change the result, so such layers take another path.
@@ -76,7 +78,7 @@ def batch_norm_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """
     del stat_axes  # always the middle axes (`applies`)
     outputs, _, _, *saved = tf.raw_ops.FusedBatchNormV3(
-        x=_to_pairs(x),
+        x=_kernel_pairs(x, x),
         scale=_per_pair(gamma, x),
         offset=_per_pair(beta, x),
         mean=tf.constant([], tf.float32),
@@ -86,15 +88,15 @@ def batch_norm_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
         data_format="NHWC",
         is_training=True,
     )
-    return tf.cast(_from_pairs(outputs, x), output_dtype), tuple(saved)
+    return _from_pairs(tf.cast(outputs, output_dtype), x), tuple(saved)
 
 
 def batch_norm_backward(upstream, x, gamma, saved, epsilon, stat_axes):
     """Return the gradients w.r.t. (x, gamma, beta) of `batch_norm_forward`."""
     del stat_axes
     x_grad, gamma_grad, beta_grad, _, _ = tf.raw_ops.FusedBatchNormGradV3(
-        y_backprop=_to_pairs(tf.cast(upstream, x.dtype)),
-        x=_to_pairs(x),
+        y_backprop=_kernel_pairs(upstream, x),
+        x=_kernel_pairs(x, x),
         scale=_per_pair(gamma, x),
         reserve_space_1=saved[0],
         reserve_space_2=saved[1],
@@ -104,7 +106,7 @@ def batch_norm_backward(upstream, x, gamma, saved, epsilon, stat_axes):
         is_training=True,
     )
     return (
-        _from_pairs(x_grad, x),
+        _from_pairs(tf.cast(x_grad, x.dtype), x),
         _channel_rows.per_channel_sum(gamma_grad, gamma),
         _channel_rows.per_channel_sum(beta_grad, gamma),
     )
@@ -116,6 +118,14 @@ def _to_pairs(x):
     order = [*range(1, rank - 1), 0, rank - 1]
     pairs = tf.stack([1, -1, 1, tf.shape(x)[0] * x.shape[-1]])
     return tf.reshape(tf.transpose(x, order), pairs)
+
+
+def _kernel_pairs(tensor, x):
+    """Return `_to_pairs(tensor)` in the kernel's dtype for inputs like `x`.
+
+    Cast after the transpose: a float16 copy moves half the bytes.
+    """
+    return tf.cast(_to_pairs(tensor), _precision.kernel_dtype(x.dtype))
 
 
 def _from_pairs(pairs, x):

@@ -51,7 +51,8 @@ measured by `benchmarks/layers.py` on each kind of machine:
   slower than TensorFlow's batch-norm kernel at every shape from
   `BATCH_NORM_MIN_ELEMENTS` on, where that kernel beat Keras's layer
   (`benchmarks/paths.py`). So TensorFlow's batch-norm kernel there (where
-  it applies), Keras's formula below. With float16 arithmetic, float16
+  it applies; in float32, the input widened once: `_precision.kernel_dtype`),
+  Keras's formula below. With float16 arithmetic, float16
   follows bfloat16's measurements, but takes the batch-norm kernel where
   the kernels won them narrowly (`_path_calibration.float16_path`).
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:

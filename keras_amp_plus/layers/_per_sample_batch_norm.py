@@ -13,13 +13,15 @@ large samples amortize: `applies` holds from `MIN_SAMPLE_ELEMENTS` elements
 per sample on. A batch size known when the step is traced (up to
 `MAX_SAMPLES`) is unrolled into the graph; any other runs a `tf.while_loop`
 over the samples, as `fit` traces a `tf.data` pipeline without
-`drop_remainder`. Where it beats the other paths is measured
+`drop_remainder`. float16 samples on a CPU without float16 arithmetic run
+the float32 kernel, each widened and rounded once
+(`_precision.kernel_dtype`). Where it beats the other paths is measured
 (`_path_calibration`).
 """
 
 import tensorflow as tf
 
-from keras_amp_plus.layers import _batch_norm_formula, _saved_gradient
+from keras_amp_plus.layers import _batch_norm_formula, _precision, _saved_gradient
 
 # Below this many elements per sample the two kernel calls per sample cost
 # more than the transposes they save: on an AMD EPYC Zen 4 this layout ran
@@ -83,10 +85,12 @@ def per_sample_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     del stat_axes  # always the middle axes (`applies`)
     scale, offset = _per_channel(gamma), _per_channel(beta)
     shape, channels = _sample_shape(x), [x.shape[-1]]
+    kernel_dtype = _precision.kernel_dtype(x.dtype)
+    output_dtype = tf.as_dtype(output_dtype)
 
     def forward(sample):
         outputs, _, _, mean, variance, workspace = tf.raw_ops.FusedBatchNormV3(
-            x=_as_sample(sample, shape),
+            x=_as_sample(sample, shape, kernel_dtype),
             scale=scale,
             offset=offset,
             mean=tf.constant([], tf.float32),
@@ -96,13 +100,13 @@ def per_sample_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
             data_format="NHWC",
             is_training=True,
         )
-        return (outputs, mean, variance), (workspace,)
+        return (tf.cast(outputs, output_dtype), mean, variance), (workspace,)
 
-    specs = ((x.dtype, shape), (tf.float32, channels), (tf.float32, channels))
+    specs = ((output_dtype, shape), (tf.float32, channels), (tf.float32, channels))
     (outputs, mean, variance), (workspace,) = _over_samples(
         forward, (x,), specs, kept=1
     )
-    outputs = tf.cast(tf.reshape(outputs, tf.shape(x)), output_dtype)
+    outputs = tf.reshape(outputs, tf.shape(x))
     return outputs, (mean, variance, workspace)
 
 
@@ -110,12 +114,12 @@ def per_sample_backward(upstream, x, gamma, saved, epsilon, stat_axes):
     """Return the gradients w.r.t. (x, gamma, beta) of `per_sample_forward`."""
     del stat_axes
     scale, shape, channels = _per_channel(gamma), _sample_shape(x), [x.shape[-1]]
-    workspace = saved[2]
+    workspace, kernel_dtype = saved[2], _precision.kernel_dtype(x.dtype)
 
     def backward(upstream, sample, mean, variance):
         x_grad, scale_grad, offset_grad, _, _ = tf.raw_ops.FusedBatchNormGradV3(
-            y_backprop=_as_sample(upstream, shape),
-            x=_as_sample(sample, shape),
+            y_backprop=_as_sample(upstream, shape, kernel_dtype),
+            x=_as_sample(sample, shape, kernel_dtype),
             scale=scale,
             reserve_space_1=mean,
             reserve_space_2=variance,
@@ -124,11 +128,11 @@ def per_sample_backward(upstream, x, gamma, saved, epsilon, stat_axes):
             data_format="NHWC",
             is_training=True,
         )
-        return (x_grad, scale_grad, offset_grad), ()
+        return (tf.cast(x_grad, sample.dtype), scale_grad, offset_grad), ()
 
     specs = ((x.dtype, shape), (tf.float32, channels), (tf.float32, channels))
     (x_grad, scale_grad, offset_grad), _ = _over_samples(
-        backward, (tf.cast(upstream, x.dtype), x, saved[0], saved[1]), specs
+        backward, (upstream, x, saved[0], saved[1]), specs
     )
     return (
         tf.reshape(x_grad, tf.shape(x)),
@@ -198,9 +202,9 @@ def _sample_shape(x):
     return tf.TensorShape([1, x.shape[1:-1].num_elements(), 1, x.shape[-1]])
 
 
-def _as_sample(tensor, shape):
-    """Return one sample (or its gradient) reshaped to `_sample_shape`."""
-    return tf.reshape(tensor, [1, -1, 1, shape[-1]])
+def _as_sample(tensor, shape, dtype):
+    """Return one sample (or its gradient) reshaped to `_sample_shape`, in `dtype`."""
+    return tf.cast(tf.reshape(tensor, [1, -1, 1, shape[-1]]), dtype)
 
 
 def _per_channel(weight):

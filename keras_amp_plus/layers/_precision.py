@@ -87,3 +87,19 @@ def emulated_float16(dtype) -> bool:
     False
     """
     return tf.as_dtype(dtype) == tf.float16 and cpu_has_float16_arithmetic() is False
+
+
+def kernel_dtype(dtype) -> tf.DType:
+    """Return the dtype a TensorFlow kernel had better compute `dtype` inputs in.
+
+    float32 for float16 on a CPU known to lack float16 arithmetic
+    (`emulated_float16`): there TensorFlow's float16 kernels widen and round
+    each operation on their own, and widening the input once, running the
+    float32 kernel and rounding its result once was faster. `dtype` itself
+    otherwise.
+
+    Example:
+    >>> kernel_dtype("bfloat16").name
+    'bfloat16'
+    """
+    return tf.float32 if emulated_float16(dtype) else tf.as_dtype(dtype)

@@ -7,8 +7,10 @@ second-order gradient; the layer's formula (`_keras_formula.formula_forward`)
 gives the variance its own gradient instead. This script times one forward +
 backward step (`jit_compile=True`, gradients w.r.t. the input and both
 weights) of each, interleaved in an order shuffled each round, median process
-CPU time, at instance-norm shapes of the layer grid in float32 and bfloat16,
-prints a table and writes JSON named per CPU kind.
+CPU time, at instance-norm shapes of the layer grid in float32, bfloat16 and
+float16 (where both take Keras's `(..., channels, 1)` group layout, as the
+layer does there: `_keras_formula._in_group_layout`), prints a table and
+writes JSON named per CPU kind.
 
 Usage: python benchmarks/moments_gradient.py [--quick] [--reps N] [--output PATH]
 """
@@ -30,24 +32,36 @@ from machine import cpu_kind, print_header, write_results
 from keras_amp_plus.layers import _keras_formula
 
 SHAPES = ((8, 32, 32, 64), (16, 32, 32, 64), (8, 64, 64, 64), (32, 32, 32, 128))
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 STAT_AXES = (1, 2)
 
 
 def moments_formula(x, gamma, beta, epsilon):
     """Keras's formula with `tf.nn.moments`, as Keras's own layers take it."""
+    if x.dtype == tf.float16:
+        return keras_group_formula(x, gamma, beta, epsilon)
     x_wide = tf.cast(x, gamma.dtype)
     mean, variance = tf.nn.moments(x_wide, list(STAT_AXES), keepdims=True)
     inverse = tf.math.rsqrt(variance + epsilon) * gamma
     return tf.cast(x_wide * inverse + (beta - mean * inverse), x.dtype)
 
 
+def keras_group_formula(x, gamma, beta, epsilon):
+    """`GroupNormalization(groups=-1)`'s program: `(..., channels, 1)` groups."""
+    shape = tf.shape(x)
+    grouped = tf.cast(tf.reshape(x, tf.concat([shape, [1]], axis=0)), gamma.dtype)
+    axes = [*STAT_AXES, x.shape.rank]
+    mean, variance = tf.nn.moments(grouped, axes, keepdims=True)
+    inverse = tf.math.rsqrt(variance + epsilon) * gamma[..., tf.newaxis]
+    shift = -mean * inverse + beta[..., tf.newaxis]
+    return tf.reshape(tf.cast(grouped * inverse + shift, x.dtype), shape)
+
+
 def layer_formula(x, gamma, beta, epsilon):
     """The layer's formula inside XLA (its variance differentiable twice)."""
-    outputs, _ = _keras_formula.formula_forward(
+    return _keras_formula.keras_formula_normalize(
         x, gamma, beta, epsilon, STAT_AXES, x.dtype
     )
-    return outputs
 
 
 def xla_step(formula, gamma, beta):

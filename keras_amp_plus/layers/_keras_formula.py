@@ -20,8 +20,9 @@ Inside XLA, a float16 instance norm (statistics over the middle axes of a
 channels-last input) takes Keras's own layout, `GroupNormalization`'s
 `(..., channels, 1)` groups: XLA fuses the float16 formula on the plain layout
 into a program that ran up to 1.4x Keras's layer on a CPU without AVX512-FP16,
-while Keras's layout compiles to Keras's program. For float32 and bfloat16
-the plain layout was as fast or faster (`benchmarks/layers.py`).
+while Keras's layout compiles to Keras's program (with the variance's own
+gradient: as fast, `benchmarks/moments_gradient.py`). For float32 and
+bfloat16 the plain layout was as fast or faster (`benchmarks/layers.py`).
 """
 
 import tensorflow as tf
@@ -169,12 +170,15 @@ def _in_group_layout(x, gamma, beta, epsilon, stat_axes, output_dtype):
 
     Written as `GroupNormalization` writes it, in its order (reshape, cast,
     `-mean * inv + beta`, cast, reshape back), so that XLA compiles Keras's
-    program.
+    program, but for the variance, which carries its own gradient
+    (`_variance_about`) where `tf.nn.moments` would break the second-order
+    gradient.
     """
     shape = tf.shape(x)
     grouped = tf.cast(tf.reshape(x, tf.concat([shape, [1]], axis=0)), gamma.dtype)
     axes = [*stat_axes, x.shape.rank]
-    mean, variance = tf.nn.moments(grouped, axes, keepdims=True)
+    mean = tf.reduce_mean(grouped, axes, keepdims=True)
+    variance = _variance_about(grouped, mean, axes)
     inverse = tf.math.rsqrt(variance + epsilon) * gamma[..., tf.newaxis]
     shift = -mean * inverse + beta[..., tf.newaxis]
     outputs = tf.cast(grouped * inverse + shift, output_dtype)

@@ -21,8 +21,10 @@ channels-last input) takes Keras's own layout, `GroupNormalization`'s
 `(..., channels, 1)` groups: XLA fuses the float16 formula on the plain layout
 into a program that ran up to 1.4x Keras's layer on a CPU without AVX512-FP16,
 while Keras's layout compiles to Keras's program (with the variance's own
-gradient: as fast, `benchmarks/moments_gradient.py`). For float32 and
-bfloat16 the plain layout was as fast or faster (`benchmarks/layers.py`).
+gradient: as fast, `benchmarks/moments_gradient.py`). For float32 the plain
+layout was faster, and for bfloat16 as fast or faster, also on an Intel Xeon
+without bfloat16 arithmetic, where the two layouts ran even
+(`benchmarks/in_xla_layout.py`).
 """
 
 import tensorflow as tf

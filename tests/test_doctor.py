@@ -415,6 +415,7 @@ def test_doctor_json_on_this_machine(tmp_path):
         "probe",
         "jit_probe",
         "layer_paths",
+        "swish_sigmoid",
         "recommendation",
     }
     jit_probe = facts["jit_probe"]
@@ -431,6 +432,11 @@ def test_doctor_json_on_this_machine(tmp_path):
     assert layer_paths["cache"].startswith(str(tmp_path))
     with open(layer_paths["cache"], encoding="utf-8") as file:
         assert json.load(file)["cells"] == layer_paths["cells"]
+    # So did Swish's sigmoid race (float32 always has a threshold).
+    swish = facts["swish_sigmoid"]
+    assert swish["measured_now"] and swish["cells"]
+    assert swish["cache"].startswith(str(tmp_path))
+    assert "float32" in swish["thresholds"]
     assert facts["versions"]["tensorflow"] == tf.__version__
     assert facts["versions"]["keras"] == keras.__version__
     assert facts["versions"]["keras_backend"] == "tensorflow"

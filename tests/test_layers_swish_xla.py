@@ -16,7 +16,7 @@ from conftest import (
 )
 
 from keras_amp_plus import _compat, layers
-from keras_amp_plus.layers import _precision, _swish_activation
+from keras_amp_plus.layers import _precision, _swish_activation, _swish_calibration
 
 SHAPE = (64, 32)
 
@@ -49,6 +49,7 @@ def _force_onednn(monkeypatch, onednn):
     # Small enough that the test's input counts as large.
     small = dict.fromkeys(_swish_activation.RECOMPUTE_SIGMOID_MIN_ELEMENTS, 1024)
     monkeypatch.setattr(_swish_activation, "RECOMPUTE_SIGMOID_MIN_ELEMENTS", small)
+    monkeypatch.setattr(_swish_calibration, "cached_cells", list)  # the table's
 
 
 @pytest.mark.parametrize("any_batch", (False, True))

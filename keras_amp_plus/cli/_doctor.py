@@ -191,6 +191,61 @@ def layer_paths_status(seconds: float, itex: dict | None = None) -> dict:
     return {"cache": path, "measured_now": measured_now, "cells": cells}
 
 
+# The Swish sigmoid race gets this many times the probe budget.
+SWISH_SIGMOID_BUDGET_FACTOR = 10
+
+
+def swish_sigmoid_status(seconds: float, itex: dict | None = None) -> dict:
+    """Return Swish's measured recompute thresholds inside XLA, measuring if needed.
+
+    Cached per CPU model, TensorFlow version and oneDNN state
+    (`keras_amp_plus.layers._swish_calibration`): the doctor races keeping
+    and recomputing the sigmoid once for each input precision that has a
+    threshold here, the layer reads the result when a model is traced.
+
+    Args:
+        seconds: wall-time budget when the measurement has to run.
+        itex: `itex_status()`. With ITEX loaded nothing is measured (as for
+            `layer_paths_status`).
+
+    Returns:
+        `{"cache", "measured_now", "cells", "thresholds"}` (`thresholds`:
+        elements per dtype name), plus `"skipped"` (why) when nothing was
+        measured on purpose.
+    """
+    from keras_amp_plus.layers import _swish_activation, _swish_calibration
+
+    if itex is not None and itex.get("importable"):
+        return {
+            "cache": None,
+            "measured_now": False,
+            "cells": [],
+            "thresholds": {},
+            "skipped": "ITEX is loaded: its kernels replace TensorFlow's",
+        }
+    raced = [
+        name
+        for name in ("float32", "bfloat16", "float16")
+        if _swish_activation.threshold_family(name) == name
+    ]
+    cells = _swish_calibration.cached_cells()
+    measured_now = not cells and bool(raced)
+    if measured_now:
+        cells = _swish_calibration.measure_recompute(raced, seconds=seconds)["cells"]
+    thresholds = {
+        name: _swish_calibration.recompute_threshold(
+            name, _swish_activation.RECOMPUTE_SIGMOID_MIN_ELEMENTS[name]
+        )
+        for name in raced
+    }
+    return {
+        "cache": _swish_calibration.cache_path(),
+        "measured_now": measured_now,
+        "cells": cells,
+        "thresholds": thresholds,
+    }
+
+
 def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
     """Collect everything the doctor reports, including the recommendation.
 
@@ -200,14 +255,15 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
 
     Args:
         probe_seconds: time budget of the matmul probe and of the jit probe
-            (each); the layers' path measurement, when not cached yet, gets
-            `LAYER_PATHS_BUDGET_FACTOR` times it. Defaults to `2.0`.
+            (each); the layers' path measurement and Swish's sigmoid race,
+            when not cached yet, get `LAYER_PATHS_BUDGET_FACTOR` and
+            `SWISH_SIGMOID_BUDGET_FACTOR` times it. Defaults to `2.0`.
         probe_size: side of the probe's square matrices. Defaults to `1024`.
 
     Returns:
         A JSON-serializable dict with keys `"versions"`, `"onednn"`, `"cpu"`,
-        `"devices"`, `"xla"`, `"probe"`, `"jit_probe"`, `"layer_paths"` and
-        `"recommendation"`.
+        `"devices"`, `"xla"`, `"probe"`, `"jit_probe"`, `"layer_paths"`,
+        `"swish_sigmoid"` and `"recommendation"`.
     """
     from keras_amp_plus import _matmul_probe
     from keras_amp_plus.cli import _jit_probe
@@ -240,6 +296,9 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
     facts["jit_probe"] = _jit_probe.probe_jit_speedup(probe_seconds, policy)
     facts["layer_paths"] = layer_paths_status(
         LAYER_PATHS_BUDGET_FACTOR * probe_seconds, stack["itex"]
+    )
+    facts["swish_sigmoid"] = swish_sigmoid_status(
+        SWISH_SIGMOID_BUDGET_FACTOR * probe_seconds, stack["itex"]
     )
     facts["recommendation"] = recommendation.recommend(
         speedups, jit_probe=facts["jit_probe"], **facts_for_advice

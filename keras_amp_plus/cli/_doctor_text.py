@@ -117,6 +117,31 @@ def _layer_paths_line(layer_paths: dict | None) -> str:
     return f"fastest at {len(cells)} cells: {counts or 'none'} ({when})"
 
 
+def _swish_sigmoid_line(swish: dict | None) -> str:
+    """Return from which size Swish recomputes its sigmoid inside XLA, per dtype."""
+    if swish is None:
+        return "not measured"
+    if swish.get("skipped"):
+        return f"not measured: {swish['skipped']}"
+    thresholds = swish["thresholds"]
+    if not thresholds:
+        return "keeps the sigmoid in every precision here"
+    sizes = ", ".join(
+        f"{name} from {_elements(count)}" for name, count in thresholds.items()
+    )
+    when = "measured now" if swish["measured_now"] else "cached"
+    when = when if swish["cells"] else "not measured: the defaults"
+    return f"recomputes the sigmoid: {sizes} elements ({when})"
+
+
+def _elements(count: int) -> str:
+    """Return `count` as `512K`, `2M`, ... (powers of two), else the number."""
+    for unit, size in (("M", 2**20), ("K", 2**10)):
+        if count >= size and count % size == 0:
+            return f"{count // size}{unit}"
+    return str(count)
+
+
 def render(facts: dict) -> str:
     """Return the doctor's report as plain text.
 
@@ -140,6 +165,7 @@ def render(facts: dict) -> str:
         ("XLA in fit", _xla_line(facts["xla"])),
         ("jit probe", _jit_probe_line(facts.get("jit_probe"))),
         ("Layer paths", _layer_paths_line(facts.get("layer_paths"))),
+        ("Swish in XLA", _swish_sigmoid_line(facts.get("swish_sigmoid"))),
     ]
     lines = ["keras_amp_plus doctor", ""]
     lines += [f"  {label:<16}{value}" for label, value in rows]

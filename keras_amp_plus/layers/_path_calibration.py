@@ -96,8 +96,12 @@ def _machine_digest() -> str:
 
 def cache_path() -> str:
     """Return the cache file of this CPU model, TensorFlow and oneDNN state."""
-    name = f"normalization_paths_{_machine_digest()}.json"
-    return os.path.join(_hardware.cache_dir(), name)
+    return cache_file("normalization_paths")
+
+
+def cache_file(stem: str) -> str:
+    """Return the cache file `stem` of this CPU model, TensorFlow and oneDNN."""
+    return os.path.join(_hardware.cache_dir(), f"{stem}_{_machine_digest()}.json")
 
 
 _loaded = {}
@@ -363,7 +367,7 @@ def safe_path(
     return BATCH_NORM if large and batch_norm_applies else FUSED_KERNELS
 
 
-def _time_pair(steps, reps):
+def time_interleaved(steps, reps):
     """Return {name: median CPU seconds} of `steps` called interleaved."""
     for step in steps.values():  # trace, compile, warm
         step()
@@ -431,7 +435,7 @@ def measure_paths(seconds: float = 30.0, reps: int = 11) -> dict:
             steps = {
                 name: _step(f, shape, dtype, unknown_batch) for name, f in raced.items()
             }
-            medians = _time_pair(steps, reps)
+            medians = time_interleaved(steps, reps)
             ratios = {name: t / medians[KERAS_FORMULA] for name, t in medians.items()}
             trailing, elements = len(shape) == 2, math.prod(shape)
             safe = safe_path(unknown_batch, trailing, elements, BATCH_NORM in raced)

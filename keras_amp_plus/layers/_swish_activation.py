@@ -6,7 +6,12 @@ import keras
 import tensorflow as tf
 
 from keras_amp_plus import _compat
-from keras_amp_plus.layers import _precision, _row_buckets, _validation
+from keras_amp_plus.layers import (
+    _precision,
+    _row_buckets,
+    _swish_calibration,
+    _validation,
+)
 from keras_amp_plus.layers._precision import statistics_dtype
 
 # Inside XLA, inputs from this many elements on recompute the sigmoid in the
@@ -20,6 +25,7 @@ from keras_amp_plus.layers._precision import statistics_dtype
 # bfloat16 ones do) and recompute from 1M elements on: keeping won at 512K
 # elements in three runs of `benchmarks/swish_xla.py` on an AMD EPYC Zen 4,
 # recomputing from 4M on in all three, at 2M each once and a tie.
+# The thresholds where this machine's race is not cached (`_swish_calibration`).
 RECOMPUTE_SIGMOID_MIN_ELEMENTS = {
     "float32": 2**22,
     "bfloat16": 2**23,
@@ -121,16 +127,38 @@ def _recompute_threshold(x) -> int | None:
     half the kept sigmoid's) only where TensorFlow's oneDNN kernels are off,
     float16 inputs where the CPU lacks float16 arithmetic. float16 inputs on
     a CPU with it keep it (Keras's formula with a fixed `beta`,
-    `_swish_for_xla`): None.
+    `_swish_for_xla`): None. Where this machine's race is cached
+    (`_swish_calibration`, run by `python -m keras_amp_plus doctor`), its
+    threshold replaces the table's.
     """
-    if _precision.emulated_float16(x.dtype):
-        return RECOMPUTE_SIGMOID_MIN_ELEMENTS["float16"]
-    if x.dtype == tf.float16:
+    family = threshold_family(x.dtype)
+    if family is None:
         return None
-    wide = x.dtype.size >= 4  # float32 or float64
+    default = RECOMPUTE_SIGMOID_MIN_ELEMENTS[family]
+    if x.dtype == tf.float64:
+        return default  # not raced: float32's measurement says nothing of it
+    return _swish_calibration.recompute_threshold(family, default)
+
+
+def threshold_family(dtype) -> str | None:
+    """Return the `RECOMPUTE_SIGMOID_MIN_ELEMENTS` key of `dtype` here, or None.
+
+    None where inputs of `dtype` always keep the sigmoid on this machine
+    (`_recompute_threshold`).
+
+    Example:
+    >>> threshold_family("float32")
+    'float32'
+    """
+    dtype = tf.as_dtype(dtype)
+    if _precision.emulated_float16(dtype):
+        return "float16"
+    if dtype == tf.float16:
+        return None
+    wide = dtype.size >= 4  # float32 or float64
     if not wide and _compat.onednn_enabled() is not False:
         return None
-    return RECOMPUTE_SIGMOID_MIN_ELEMENTS["float32" if wide else "bfloat16"]
+    return "float32" if wide else "bfloat16"
 
 
 def _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, recompute):

@@ -1,0 +1,180 @@
+"""Measured sigmoid choice for Swish inside XLA: once per CPU model and TensorFlow.
+
+Inside a step XLA compiles whole, Swish's backward pass either reads the
+sigmoid its forward pass kept (a float32 tensor written and read once more)
+or recomputes it from the input (one more exponential per element). From
+which size recomputing pays depends on the CPU: for float32 two CPUs measured
+thresholds two octaves apart (`benchmarks/swish_xla.py`, README's "Measured").
+`measure_recompute`
+times both forms at a few sizes per input precision that has a threshold on
+this machine (`_swish_activation._recompute_threshold`), forward + backward,
+interleaved, medians of process CPU time, and caches the ratios in
+`keras_amp_plus._hardware.cache_dir()` beside the normalization paths' race
+(`_path_calibration.cache_file`). `recompute_threshold` reads them back;
+without a measurement the layer's own table applies.
+"""
+
+import json
+import math
+import os
+import time
+
+import tensorflow as tf
+
+from keras_amp_plus.layers import _path_calibration
+
+# One octave apart around the thresholds measured so far (2**19 to 2**23).
+RACED_SHAPES = ((512, 1024), (1024, 1024), (1024, 2048), (2048, 2048), (4096, 2048))
+# Recomputing must take less than this share of keeping's time to count as a
+# win at a size, and keeping less than this share of recomputing's: a median
+# of a few calls moves by a few percent. Between, the table's choice stands.
+CLEAR_WIN = 0.95
+# Part of the cache file's name: raise it when either raced form changes.
+REVISION = 1
+
+_loaded = {}
+
+
+def cache_path() -> str:
+    """Return the cache file of this CPU model, TensorFlow and oneDNN state."""
+    return _path_calibration.cache_file(f"swish_sigmoid_r{REVISION}")
+
+
+def cached_cells() -> list:
+    """Return the measurements cached for this machine (empty when none)."""
+    path = cache_path()
+    if path not in _loaded:
+        try:
+            with open(path, encoding="utf-8") as file:
+                _loaded[path] = list(json.load(file)["cells"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return []  # not measured yet: read again once it is
+    return list(_loaded[path])
+
+
+def recompute_threshold(dtype_name: str, default: int) -> int:
+    """Return the size from which Swish recomputes the sigmoid inside XLA.
+
+    The smallest raced size from which recomputing won at every raced size
+    above it; below the smallest raced size the table's `default` where
+    recomputing won from there; past the largest raced size where keeping
+    won there. A size where neither form won by `CLEAR_WIN` takes the
+    table's choice.
+
+    Args:
+        dtype_name: the input's dtype name, a key of
+            `_swish_activation.RECOMPUTE_SIGMOID_MIN_ELEMENTS`.
+        default: that table's threshold.
+
+    Returns:
+        The threshold, in elements: `default` without a measurement.
+
+    Example:
+    >>> import os, tempfile
+    >>> os.environ["KERAS_AMP_PLUS_CACHE_DIR"] = tempfile.mkdtemp()
+    >>> recompute_threshold("float32", 2**22)
+    4194304
+    >>> del os.environ["KERAS_AMP_PLUS_CACHE_DIR"]
+    """
+    cells = [cell for cell in cached_cells() if cell["dtype"] == dtype_name]
+    if not cells:
+        return default
+    cells.sort(key=lambda cell: cell["elements"])
+    threshold = None
+    for cell in reversed(cells):
+        if not _recomputes(cell, default):
+            break
+        threshold = cell["elements"]
+    if threshold is None:
+        return max(default, 2 * cells[-1]["elements"])
+    if threshold == cells[0]["elements"]:
+        return min(default, threshold)
+    return threshold
+
+
+def _recomputes(cell, default) -> bool:
+    """Return whether recomputing is the choice at `cell`'s size."""
+    ratio = cell["ratio"]  # recomputing's time over keeping's
+    if ratio < CLEAR_WIN:
+        return True
+    if ratio > 1.0 / CLEAR_WIN:
+        return False
+    return cell["elements"] >= default
+
+
+def measure_recompute(dtype_names, seconds: float = 10.0, reps: int = 7) -> dict:
+    """Race keeping and recomputing the sigmoid inside XLA and cache the ratios.
+
+    Runs eagerly (never inside a `tf.function`). Cells are measured per
+    dtype, smallest first, until `seconds` of wall time are spent; the ones
+    done are cached.
+
+    Args:
+        dtype_names: the input dtypes to race (names).
+        seconds: wall-time budget. Defaults to `10.0`.
+        reps: interleaved calls per form and cell. Defaults to `7`.
+
+    Returns:
+        `{"path": cache file, "cells": [{"dtype", "shape", "elements",
+        "ratio" (recomputing's CPU time / keeping's)}]}`.
+    """
+    if not tf.executing_eagerly():
+        raise RuntimeError(
+            "`measure_recompute` times steps of its own and must run eagerly, "
+            "not inside a tf.function. Call it outside of any traced function."
+        )
+    deadline = time.monotonic() + seconds
+    cells = []
+    for dtype_name in dtype_names:
+        for shape in RACED_SHAPES:
+            if time.monotonic() >= deadline:
+                break
+            steps = {
+                recompute: _xla_step(shape, dtype_name, recompute)
+                for recompute in (False, True)
+            }
+            medians = _path_calibration.time_interleaved(steps, reps)
+            cells.append(
+                {
+                    "dtype": dtype_name,
+                    "shape": list(shape),
+                    "elements": math.prod(shape),
+                    "ratio": medians[True] / medians[False],
+                }
+            )
+    path = cache_path()
+    _write(path, cells)
+    return {"path": path, "cells": cells}
+
+
+def _xla_step(shape, dtype_name, recompute):
+    """Return a `jit_compile=True` forward + backward step of one form."""
+    from keras_amp_plus.layers import _swish_activation
+
+    x = tf.cast(tf.random.stateless_normal(shape, (1, 2), mean=0.5), dtype_name)
+    upstream = tf.cast(tf.random.stateless_normal(shape, (3, 4)), dtype_name)
+    beta = tf.constant(1.0, tf.float32)
+
+    @tf.function(jit_compile=True)
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = _swish_activation._swish_choosing_backward_sigmoid(
+                x, beta, False, tf.constant(recompute)
+            )
+        # The outputs too, as the next layer reads them: without them XLA
+        # fuses the forward's sigmoid into the backward and both forms agree.
+        return outputs, tape.gradient(outputs, x, output_gradients=upstream)
+
+    return lambda: step(x, upstream)
+
+
+def _write(path, cells):
+    """Write the cells; a read-only disk only costs measuring again."""
+    _loaded.pop(path, None)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump({"tensorflow": tf.__version__, "cells": cells}, file, indent=1)
+    except OSError:
+        pass

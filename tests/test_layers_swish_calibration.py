@@ -1,0 +1,94 @@
+"""Swish's sigmoid race inside XLA: the threshold read from measured cells."""
+
+import json
+
+import pytest
+import tensorflow as tf
+
+from keras_amp_plus.layers import _swish_activation, _swish_calibration
+
+MIB = 2**20
+
+
+def _write_cells(ratios, dtype="float32"):
+    """Cache a measurement: recomputing's time over keeping's per raced size."""
+    cells = [
+        {"dtype": dtype, "shape": [size], "elements": size, "ratio": ratio}
+        for size, ratio in ratios.items()
+    ]
+    _swish_calibration._write(_swish_calibration.cache_path(), cells)
+
+
+@pytest.mark.parametrize(
+    "ratios, expected",
+    (
+        # Recomputing wins from 2M on (the Ice Lake figures): 2M.
+        ({MIB: 0.97, 2 * MIB: 0.83, 4 * MIB: 0.74, 8 * MIB: 0.73}, 2 * MIB),
+        # Loses at 2M, wins from 4M (the Zen 4 figures): 4M.
+        ({MIB: 1.10, 2 * MIB: 1.05, 4 * MIB: 0.89, 8 * MIB: 0.72}, 4 * MIB),
+        # Wins everywhere raced: the table's where that is lower, else 1M.
+        ({MIB: 0.80, 2 * MIB: 0.80, 4 * MIB: 0.80, 8 * MIB: 0.80}, MIB),
+        # Keeps at the largest raced size: past it.
+        ({MIB: 0.80, 2 * MIB: 0.80, 4 * MIB: 0.80, 8 * MIB: 1.10}, 16 * MIB),
+        # Ties (within CLEAR_WIN) take the table's choice: 4M.
+        ({MIB: 1.02, 2 * MIB: 0.99, 4 * MIB: 1.01, 8 * MIB: 0.98}, 4 * MIB),
+    ),
+)
+def test_threshold_from_measured_ratios(ratios, expected, empty_path_cache):
+    _write_cells(ratios)
+    assert _swish_calibration.recompute_threshold("float32", 4 * MIB) == expected
+
+
+def test_threshold_below_the_raced_sizes_is_the_table_s(empty_path_cache):
+    _write_cells({MIB: 0.8, 2 * MIB: 0.8})
+    assert _swish_calibration.recompute_threshold("float32", 2**19) == 2**19
+
+
+def test_without_a_measurement_the_table_applies(empty_path_cache):
+    _write_cells({MIB: 0.5}, dtype="bfloat16")  # another precision's
+    assert _swish_calibration.recompute_threshold("float32", 4 * MIB) == 4 * MIB
+
+
+def test_layer_reads_the_measured_threshold(empty_path_cache, monkeypatch):
+    # A measured threshold below the input's size makes XLA recompute the
+    # sigmoid; the table's (above it) keeps it.
+    shape = (64, 64)
+
+    def exponentials():
+        x = tf.random.stateless_normal(shape, (1, 2))
+
+        @tf.function(jit_compile=True)
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = _swish_activation._swish_for_xla(x, tf.constant(1.0), False)
+            return tape.gradient(y, x)
+
+        hlo = step.experimental_get_compiler_ir(x)(stage="hlo")
+        return hlo.count(" exponential(")
+
+    kept = exponentials()
+    _write_cells({4096: 0.5, 8192: 0.5})
+    monkeypatch.setitem(
+        _swish_activation.RECOMPUTE_SIGMOID_MIN_ELEMENTS, "float32", 8192
+    )
+    assert _swish_calibration.recompute_threshold("float32", 8192) == 4096
+    assert exponentials() == kept + 1
+
+
+def test_measure_recompute_caches_ratios(empty_path_cache, monkeypatch):
+    measured = _swish_calibration.measure_recompute(["float32"], seconds=0.0)
+    assert measured["cells"] == []  # no budget: nothing timed
+    assert _swish_calibration.cached_cells() == []
+    monkeypatch.setattr(_swish_calibration, "RACED_SHAPES", ((64, 64), (64, 128)))
+    measured = _swish_calibration.measure_recompute(["float32"], reps=2)
+    assert [cell["elements"] for cell in measured["cells"]] == [4096, 8192]
+    assert all(cell["ratio"] > 0 for cell in measured["cells"])
+    with open(measured["path"], encoding="utf-8") as file:
+        assert json.load(file)["cells"] == measured["cells"]
+    assert _swish_calibration.cached_cells() == measured["cells"]
+
+
+def test_measure_recompute_refuses_to_run_traced():
+    with pytest.raises(RuntimeError, match="must run eagerly"):
+        tf.function(lambda: _swish_calibration.measure_recompute(["float32"]))()

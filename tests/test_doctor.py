@@ -341,6 +341,33 @@ def test_layer_paths_not_measured_with_itex_loaded(tmp_path, monkeypatch):
     assert line == "fastest at 3 cells: batch_norm 2, keras_formula 1 (measured now)"
 
 
+def test_swish_sigmoid_race_not_run_with_itex_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_AMP_PLUS_CACHE_DIR", str(tmp_path))
+    status = doctor.swish_sigmoid_status(5.0, {"version": "2.15", "importable": True})
+    assert status["cells"] == [] and "ITEX" in status["skipped"]
+    assert os.listdir(tmp_path) == []
+    line = doctor_text._swish_sigmoid_line(status)
+    assert line == "not measured: ITEX is loaded: its kernels replace TensorFlow's"
+
+
+def test_swish_sigmoid_line_names_each_threshold():
+    cells = [{"dtype": "float32", "elements": 2**19, "ratio": 0.9}]
+    status = {"measured_now": False, "cells": cells}
+    line = doctor_text._swish_sigmoid_line(
+        {**status, "thresholds": {"float32": 2**19, "float16": 2**20}}
+    )
+    assert line == (
+        "recomputes the sigmoid: float32 from 512K, float16 from 1M elements (cached)"
+    )
+    unmeasured = {"measured_now": False, "cells": [], "thresholds": {"float32": 2**22}}
+    assert "float32 from 4M elements (not measured: the defaults)" in (
+        doctor_text._swish_sigmoid_line(unmeasured)
+    )
+    assert doctor_text._swish_sigmoid_line(
+        {"measured_now": False, "cells": [], "thresholds": {}}
+    ) == ("keeps the sigmoid in every precision here")
+
+
 def test_jit_probe_measures_both_modes_and_restores_the_policy():
     from keras_amp_plus.cli import _jit_probe
 

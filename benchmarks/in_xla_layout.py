@@ -22,17 +22,13 @@ Usage: python benchmarks/in_xla_layout.py [--quick] [--reps N]
 import argparse
 import os
 import pathlib
-import random
-import statistics
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf
 from layers import GRID, QUICK_GRID, RESULTS
 from machine import cpu_kind, print_header, write_results
-from moments_gradient import keras_group_formula, xla_step
+from moments_gradient import keras_group_formula, time_cell
 
 from keras_amp_plus.layers import _keras_formula
 
@@ -56,29 +52,6 @@ def group_layout(x, gamma, beta, epsilon):
 FORMULAS = {"keras": keras_group_formula, "plain": plain_layout, "group": group_layout}
 
 
-def time_cell(shape, dtype, reps):
-    """Return the median CPU ms of each formula's step at `shape`."""
-    channels = (1, 1, 1, shape[-1])
-    gamma = tf.Variable(tf.random.stateless_uniform(channels, (1, 2)) + 0.5)
-    beta = tf.Variable(tf.random.stateless_normal(channels, (3, 4)))
-    x = tf.cast(tf.random.stateless_normal(shape, (5, 6), 5.0, 3.0), dtype)
-    upstream = tf.cast(tf.random.stateless_normal(shape, (7, 8)), dtype)
-    steps = {name: xla_step(f, gamma, beta) for name, f in FORMULAS.items()}
-    for step in steps.values():  # compile, warm
-        step(x, upstream)
-        step(x, upstream)
-    times = {name: [] for name in steps}
-    order, shuffle = list(steps), random.Random(0).shuffle
-    for _ in range(reps):
-        shuffle(order)
-        for name in order:
-            start = time.process_time()
-            grads = steps[name](x, upstream)
-            grads[1].numpy()
-            times[name].append(time.process_time() - start)
-    return {name: 1e3 * statistics.median(values) for name, values in times.items()}
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 shapes, 5 reps")
@@ -95,7 +68,7 @@ def main():
     rows = []
     for shape in shapes:
         for dtype in args.dtypes:
-            ms = time_cell(shape, dtype, reps)
+            ms = time_cell(shape, dtype, reps, FORMULAS)
             ratios = {name: ms[name] / ms["keras"] for name in ("plain", "group")}
             rows.append(
                 {"shape": list(shape), "dtype": dtype, "ms": ms, "ratios": ratios}

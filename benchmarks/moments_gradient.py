@@ -77,17 +77,19 @@ def xla_step(formula, gamma, beta):
     return step
 
 
-def time_cell(shape, dtype, reps):
-    """Return the median CPU ms of each formula's step at `shape`."""
+def time_cell(shape, dtype, reps, formulas=None):
+    """Return the median CPU ms of each formula's step at `shape`.
+
+    `formulas`: `{name: formula(x, gamma, beta, epsilon)}`, by default
+    `tf.nn.moments`' and the layer's.
+    """
     channels = (1, 1, 1, shape[-1])
     gamma = tf.Variable(tf.random.stateless_uniform(channels, (1, 2)) + 0.5)
     beta = tf.Variable(tf.random.stateless_normal(channels, (3, 4)))
     x = tf.cast(tf.random.stateless_normal(shape, (5, 6), 5.0, 3.0), dtype)
     upstream = tf.cast(tf.random.stateless_normal(shape, (7, 8)), dtype)
-    steps = {
-        "tf_nn_moments": xla_step(moments_formula, gamma, beta),
-        "layer": xla_step(layer_formula, gamma, beta),
-    }
+    formulas = formulas or {"tf_nn_moments": moments_formula, "layer": layer_formula}
+    steps = {name: xla_step(f, gamma, beta) for name, f in formulas.items()}
     for step in steps.values():  # compile, warm
         step(x, upstream)
         step(x, upstream)

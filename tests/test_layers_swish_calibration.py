@@ -5,7 +5,11 @@ import json
 import pytest
 import tensorflow as tf
 
-from keras_amp_plus.layers import _swish_activation, _swish_calibration
+from keras_amp_plus.layers import (
+    _path_calibration,
+    _swish_activation,
+    _swish_calibration,
+)
 
 MIB = 2**20
 
@@ -16,7 +20,7 @@ def _write_cells(ratios, dtype="float32"):
         {"dtype": dtype, "shape": [size], "elements": size, "ratio": ratio}
         for size, ratio in ratios.items()
     ]
-    _swish_calibration._write(_swish_calibration.cache_path(), cells)
+    _path_calibration.write_cells(_swish_calibration.cache_path(), cells)
 
 
 @pytest.mark.parametrize(

@@ -104,10 +104,9 @@ def _jit_probe_line(jit_probe: dict | None) -> str:
 
 def _layer_paths_line(layer_paths: dict | None) -> str:
     """Return how many measured graph-step cells (shape, batch) each path won."""
-    if layer_paths is None:
-        return "not measured"
-    if layer_paths.get("skipped"):
-        return f"not measured: {layer_paths['skipped']}"
+    unmeasured = _unmeasured_line(layer_paths)
+    if unmeasured:
+        return unmeasured
     cells = layer_paths["cells"]
     wins = {}
     for cell in cells:
@@ -119,10 +118,9 @@ def _layer_paths_line(layer_paths: dict | None) -> str:
 
 def _swish_sigmoid_line(swish: dict | None) -> str:
     """Return from which size Swish recomputes its sigmoid inside XLA, per dtype."""
-    if swish is None:
-        return "not measured"
-    if swish.get("skipped"):
-        return f"not measured: {swish['skipped']}"
+    unmeasured = _unmeasured_line(swish)
+    if unmeasured:
+        return unmeasured
     thresholds = swish["thresholds"]
     if not thresholds:
         return "keeps the sigmoid in every precision here"
@@ -132,6 +130,15 @@ def _swish_sigmoid_line(swish: dict | None) -> str:
     when = "measured now" if swish["measured_now"] else "cached"
     when = when if swish["cells"] else "not measured: the defaults"
     return f"recomputes the sigmoid: {sizes} elements ({when})"
+
+
+def _unmeasured_line(status: dict | None) -> str | None:
+    """Return why a race's `status` holds no measurement, or None if it may."""
+    if status is None:
+        return "not measured"
+    if status.get("skipped"):
+        return f"not measured: {status['skipped']}"
+    return None
 
 
 def _elements(count: int) -> str:

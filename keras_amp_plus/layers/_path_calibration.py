@@ -107,7 +107,7 @@ def cache_file(stem: str) -> str:
 _loaded = {}
 
 
-def _cells(path):
+def read_cells(path):
     """Return the cached measurements at `path` (read once per process)."""
     if path not in _loaded:
         try:
@@ -120,7 +120,7 @@ def _cells(path):
 
 def cached_cells() -> list:
     """Return the measurements cached for this machine (empty when none)."""
-    return list(_cells(cache_path()))
+    return list(read_cells(cache_path()))
 
 
 def _dtype_family(dtype) -> str:
@@ -252,7 +252,7 @@ def _nearest_cell(elements, trailing_statistics, dtype, unknown_batch):
     family = _dtype_family(dtype)
     candidates = [
         cell
-        for cell in _cells(cache_path())
+        for cell in read_cells(cache_path())
         if cell["trailing"] == bool(trailing_statistics)
         and cell["dtype"] == family
         and cell.get("unknown_batch", False) == bool(unknown_batch)
@@ -451,7 +451,7 @@ def measure_paths(seconds: float = 30.0, reps: int = 11) -> dict:
                 }
             )
     path = cache_path()
-    _write(path, cells)
+    write_cells(path, cells)
     return {"path": path, "cells": cells}
 
 
@@ -466,7 +466,7 @@ def _per_sample_applies(shape, dtype, unknown_batch):
     return _per_sample_batch_norm.applies(x, gamma, 1e-3, (1, 2))
 
 
-def _write(path, cells):
+def write_cells(path, cells):
     """Write the cells; a read-only disk only costs measuring again."""
     _loaded.pop(path, None)
     try:

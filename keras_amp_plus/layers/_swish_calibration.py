@@ -14,9 +14,7 @@ interleaved, medians of process CPU time, and caches the ratios in
 without a measurement the layer's own table applies.
 """
 
-import json
 import math
-import os
 import time
 
 import tensorflow as tf
@@ -32,8 +30,6 @@ CLEAR_WIN = 0.95
 # Part of the cache file's name: raise it when either raced form changes.
 REVISION = 1
 
-_loaded = {}
-
 
 def cache_path() -> str:
     """Return the cache file of this CPU model, TensorFlow and oneDNN state."""
@@ -42,14 +38,7 @@ def cache_path() -> str:
 
 def cached_cells() -> list:
     """Return the measurements cached for this machine (empty when none)."""
-    path = cache_path()
-    if path not in _loaded:
-        try:
-            with open(path, encoding="utf-8") as file:
-                _loaded[path] = list(json.load(file)["cells"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return []  # not measured yet: read again once it is
-    return list(_loaded[path])
+    return list(_path_calibration.read_cells(cache_path()))
 
 
 def recompute_threshold(dtype_name: str, default: int) -> int:
@@ -143,7 +132,7 @@ def measure_recompute(dtype_names, seconds: float = 10.0, reps: int = 7) -> dict
                 }
             )
     path = cache_path()
-    _write(path, cells)
+    _path_calibration.write_cells(path, cells)
     return {"path": path, "cells": cells}
 
 
@@ -167,14 +156,3 @@ def _xla_step(shape, dtype_name, recompute):
         return outputs, tape.gradient(outputs, x, output_gradients=upstream)
 
     return lambda: step(x, upstream)
-
-
-def _write(path, cells):
-    """Write the cells; a read-only disk only costs measuring again."""
-    _loaded.pop(path, None)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as file:
-            json.dump({"tensorflow": tf.__version__, "cells": cells}, file, indent=1)
-    except OSError:
-        pass

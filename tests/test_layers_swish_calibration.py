@@ -96,3 +96,14 @@ def test_measure_recompute_caches_ratios(empty_path_cache, monkeypatch):
 def test_measure_recompute_refuses_to_run_traced():
     with pytest.raises(RuntimeError, match="must run eagerly"):
         tf.function(lambda: _swish_calibration.measure_recompute(["float32"]))()
+
+
+def test_sigmoid_thresholds_reads_the_race_per_precision(empty_path_cache):
+    # float32 has a threshold on every CPU; its measured one replaces the
+    # table's, and a precision without one here is not listed.
+    _write_cells({MIB: 0.8, 2 * MIB: 0.8, 4 * MIB: 0.8, 8 * MIB: 0.8})
+    thresholds = _swish_activation.sigmoid_thresholds()
+    assert thresholds["float32"] == MIB
+    for name in ("bfloat16", "float16"):
+        has_one = _swish_activation.threshold_family(name) == name
+        assert (name in thresholds) == has_one

@@ -223,21 +223,13 @@ def swish_sigmoid_status(seconds: float, itex: dict | None = None) -> dict:
             "thresholds": {},
             "skipped": "ITEX is loaded: its kernels replace TensorFlow's",
         }
-    raced = [
-        name
-        for name in ("float32", "bfloat16", "float16")
-        if _swish_activation.threshold_family(name) == name
-    ]
+    thresholds = _swish_activation.sigmoid_thresholds()
     cells = _swish_calibration.cached_cells()
-    measured_now = not cells and bool(raced)
+    measured_now = not cells and bool(thresholds)
     if measured_now:
+        raced = list(thresholds)
         cells = _swish_calibration.measure_recompute(raced, seconds=seconds)["cells"]
-    thresholds = {
-        name: _swish_calibration.recompute_threshold(
-            name, _swish_activation.RECOMPUTE_SIGMOID_MIN_ELEMENTS[name]
-        )
-        for name in raced
-    }
+        thresholds = _swish_activation.sigmoid_thresholds()
     return {
         "cache": _swish_calibration.cache_path(),
         "measured_now": measured_now,

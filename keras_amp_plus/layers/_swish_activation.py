@@ -134,10 +134,39 @@ def _recompute_threshold(x) -> int | None:
     family = threshold_family(x.dtype)
     if family is None:
         return None
-    default = RECOMPUTE_SIGMOID_MIN_ELEMENTS[family]
     if x.dtype == tf.float64:
-        return default  # not raced: float32's measurement says nothing of it
+        # Not raced: float32's measurement says nothing of it.
+        return RECOMPUTE_SIGMOID_MIN_ELEMENTS[family]
+    return _measured_threshold(family)
+
+
+def _measured_threshold(family: str) -> int:
+    """Return the threshold of `family`: this machine's race, else the table's."""
+    default = RECOMPUTE_SIGMOID_MIN_ELEMENTS[family]
     return _swish_calibration.recompute_threshold(family, default)
+
+
+def sigmoid_thresholds() -> dict:
+    """Return the recompute threshold of each input precision that has one here.
+
+    The precisions `_swish_calibration.measure_recompute` races on this
+    machine (those whose `threshold_family` is their own), each with the
+    threshold a traced step reads (`_recompute_threshold`): the cached race
+    where there is one, else `RECOMPUTE_SIGMOID_MIN_ELEMENTS`.
+
+    Returns:
+        `{dtype name: threshold in elements}`, possibly empty (bfloat16 and
+        float16 keep the sigmoid where the CPU has their kernels).
+
+    Example:
+    >>> "float32" in sigmoid_thresholds()
+    True
+    """
+    return {
+        name: _measured_threshold(name)
+        for name in RECOMPUTE_SIGMOID_MIN_ELEMENTS
+        if threshold_family(name) == name
+    }
 
 
 def threshold_family(dtype) -> str | None:

@@ -700,6 +700,35 @@ def test_measure_paths_caches_winners_per_machine(monkeypatch):
 _FORMULA, _KERNELS, _BATCH_NORM = "keras_formula", "fused_kernels", "batch_norm"
 
 
+def test_a_cell_raced_twice_takes_the_geometric_mean_of_its_passes(monkeypatch):
+    # The Ice Lake doctor's pass at 16x16x16x64 (float32) timed the batch-norm
+    # kernel at 0.77x the formula; a second pass, 0.96x. Alone the first
+    # would choose it (it ran 1.1x the formula in the benchmarks there); both
+    # choose the kernels, fast in both.
+    monkeypatch.setattr(_path_calibration, "TRAILING_SHAPES", ())
+    monkeypatch.setattr(_path_calibration, "MIDDLE_SHAPES", ((16, 16, 16, 64),))
+    monkeypatch.setattr(_path_calibration, "DTYPES", ("float32",))
+    passes = iter(
+        [
+            {_FORMULA: 1.0, _KERNELS: 0.80, _BATCH_NORM: 0.77},  # its batch
+            {_FORMULA: 1.0, _KERNELS: 0.79, _BATCH_NORM: 1.11},  # any batch
+            {_FORMULA: 1.0, _KERNELS: 0.77, _BATCH_NORM: 0.96},
+            {_FORMULA: 1.0, _KERNELS: 0.85, _BATCH_NORM: 0.94},
+        ]
+    )
+    monkeypatch.setattr(_path_calibration, "_race_cell", lambda *args: next(passes))
+    cells = _path_calibration.measure_paths(seconds=60.0)["cells"]
+    its_batch = cells[0]
+    assert its_batch["passes"] == 2
+    assert its_batch["ratios"][_BATCH_NORM] == pytest.approx((0.77 * 0.96) ** 0.5)
+    assert its_batch["path"] == _KERNELS
+    # Out of time after one pass: that pass alone decides.
+    passes = iter([{_FORMULA: 1.0, _KERNELS: 0.80, _BATCH_NORM: 0.77}] * 2)
+    cells = _path_calibration.measure_paths(seconds=60.0, passes=1)["cells"]
+    assert cells[0]["passes"] == 1
+    assert cells[0]["path"] == _BATCH_NORM
+
+
 @pytest.mark.parametrize(
     ("ratios", "safe", "expected"),
     (

@@ -267,6 +267,35 @@ def test_a_measured_per_sample_winner_gives_way_where_it_cannot_run(monkeypatch)
     assert _choice(2**20, "float32", per_sample=False) == "keras_formula"
 
 
+def test_of_two_cells_of_one_size_the_one_raced_like_the_input_decides(monkeypatch):
+    # Measured at 2**20 elements twice, as on an Intel Xeon Ice Lake: large
+    # samples (the per-sample batch norm first, the batch-norm kernel second)
+    # and small ones (the kernels first). Small samples follow their own.
+    monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
+    bn, kernels = _path_choice.BATCH_NORM, _path_choice.FUSED_KERNELS
+    large_samples = {
+        "keras_formula": 1.0,
+        kernels: 0.81,
+        bn: 0.74,
+        PER_SAMPLE: 0.68,
+    }
+    small_samples = {"keras_formula": 1.0, kernels: 0.73, bn: 0.88}
+    cell = {"trailing": False, "elements": 2**20, "dtype": "float32"}
+    for first, second in (
+        (large_samples, small_samples),
+        (small_samples, large_samples),
+    ):
+        _path_calibration.write_cells(  # in either order
+            _path_calibration.cache_path(),
+            [
+                {**cell, "ratios": first, "path": min(first, key=first.get)},
+                {**cell, "ratios": second, "path": min(second, key=second.get)},
+            ],
+        )
+        assert _choice(2**20, "float32") == PER_SAMPLE
+        assert _choice(2**20, "float32", per_sample=False) == kernels
+
+
 def test_measure_paths_races_per_sample_where_it_applies(monkeypatch):
     monkeypatch.setattr(_path_calibration, "TRAILING_SHAPES", ())
     monkeypatch.setattr(_path_calibration, "MIDDLE_SHAPES", ((2, 4, 4, 8),))

@@ -45,13 +45,19 @@ PER_SAMPLE_BATCH_NORM = "per_sample_batch_norm"
 # chose Keras's formula for 8x32x32x64 in float32, where the kernels ran
 # 0.75x it on an AMD EPYC Zen 4), and one above the matrix-product size,
 # where TensorFlow's batch-norm kernel beat the kernels for bfloat16 and
-# float32 on an Intel Xeon.
+# float32 on an Intel Xeon. At 2**20 elements two shapes: samples large
+# enough for the per-sample batch norm and samples below it, whose winner
+# among the other paths differs (`_nearest_cell`): on an Intel Xeon Ice Lake
+# the batch-norm kernel ran 0.70-0.74x Keras's layer at 8x64x64x32 (float32,
+# second to the per-sample one) but 0.77-0.88x at 16x32x32x64, where the
+# kernels ran 0.67-0.73x (`benchmarks/paths.py`).
 TRAILING_SHAPES = ((512, 256), (2048, 256), (2048, 1024))
 MIDDLE_SHAPES = (
     (8, 16, 16, 32),
     (16, 16, 16, 64),
     (8, 32, 32, 64),
     (8, 64, 64, 32),
+    (16, 32, 32, 64),
     (8, 64, 64, 64),
     (32, 32, 32, 128),
 )
@@ -76,7 +82,7 @@ BATCH_NORM_SAFE_MIN_ELEMENTS = 2**22
 NEAREST_OCTAVES = 2.0
 # Part of the cache key: raise it whenever a raced implementation changes, so
 # that winners measured on the earlier code are measured again, not reused.
-PATHS_REVISION = 11
+PATHS_REVISION = 12
 
 
 @functools.cache
@@ -163,7 +169,9 @@ def measured_path(
     None
     >>> del os.environ["KERAS_AMP_PLUS_CACHE_DIR"]
     """
-    nearest = _nearest_cell(elements, trailing_statistics, dtype, unknown_batch)
+    nearest = _nearest_cell(
+        elements, trailing_statistics, dtype, unknown_batch, unavailable
+    )
     if nearest is None or _octaves_apart(nearest, elements) > NEAREST_OCTAVES:
         return None
     path, ratios = nearest["path"], nearest.get("ratios", {})
@@ -247,8 +255,16 @@ def unmeasured_path(elements, trailing_statistics, dtype, batch_norm_applies) ->
     return _no_slower_than_formula(ratios, safe)
 
 
-def _nearest_cell(elements, trailing_statistics, dtype, unknown_batch):
-    """Return the measured cell of that kind nearest in size, or None."""
+def _nearest_cell(
+    elements, trailing_statistics, dtype, unknown_batch, unavailable=None
+):
+    """Return the measured cell of that kind nearest in size, or None.
+
+    With `unavailable` given (the paths the input cannot take), of cells
+    equally near the one whose race had the per-sample batch norm exactly
+    where the input can take it: the other paths' times depend on the
+    sample's size too, not only on the input's.
+    """
     family = _dtype_family(dtype)
     candidates = [
         cell
@@ -259,7 +275,23 @@ def _nearest_cell(elements, trailing_statistics, dtype, unknown_batch):
     ]
     if not candidates or not elements:
         return None
-    return min(candidates, key=lambda cell: _octaves_apart(cell, elements))
+
+    def distance(cell):
+        return _octaves_apart(cell, elements), _other_kind(cell, unavailable)
+
+    return min(candidates, key=distance)
+
+
+def _other_kind(cell, unavailable) -> bool:
+    """Return whether `cell`'s race and the input differ in the per-sample path.
+
+    True where the cell raced the per-sample batch norm and the input cannot
+    take it, or the other way round; never without `unavailable`.
+    """
+    if unavailable is None:
+        return False
+    raced = PER_SAMPLE_BATCH_NORM in cell.get("ratios", {})
+    return raced == (PER_SAMPLE_BATCH_NORM in unavailable)
 
 
 def _octaves_apart(cell, elements):
@@ -291,7 +323,11 @@ def _step(normalize, shape, dtype, unknown_batch):
         with tf.GradientTape() as tape:
             tape.watch([x, gamma, beta])
             outputs = normalize(x, gamma, beta, 1e-3, stat_axes, dtype)
-        return tape.gradient(outputs, [x, gamma, beta], output_gradients=upstream)
+        # The outputs too, as the next layer reads them: without them grappler
+        # prunes the formula's last ops (the gradient does not read them),
+        # which a model never does; the kernels' cannot be pruned.
+        grads = tape.gradient(outputs, [x, gamma, beta], output_gradients=upstream)
+        return outputs, grads
 
     return lambda: step(x, upstream, gamma, beta)
 
@@ -386,28 +422,50 @@ def time_interleaved(steps, reps):
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def measure_paths(seconds: float = 30.0, reps: int = 11) -> dict:
-    """Race the two paths in graph steps and cache the winners on disk.
+def measure_paths(seconds: float = 30.0, reps: int = 11, passes: int = 2) -> dict:
+    """Race the paths in graph steps and cache the winners on disk.
 
     Runs eagerly (never call it inside a `tf.function`). Cells are measured
     smallest first, each in steps traced for its batch size and for any
-    batch size, until `seconds` of wall time are spent; the ones done are
-    cached.
+    batch size; then again, `passes` times in all, until `seconds` of wall
+    time are spent. A cell's ratios are the geometric means over its passes:
+    on a shared machine one pass's medians moved by up to a quarter (the
+    batch-norm kernel at 0.77x the formula in one pass, 0.96x in the next),
+    a slowdown lasting a whole cell's rounds, which a second pass tens of
+    seconds later rarely meets again. The cells done are cached.
 
     Args:
         seconds: wall-time budget. Defaults to `30.0`.
-        reps: interleaved calls per path and cell. Defaults to `11`.
+        reps: interleaved calls per path and cell in each pass. Defaults to
+            `11`.
+        passes: how many times each cell is raced at most. Defaults to `2`.
 
     Returns:
         `{"path": cache file, "cells": [{"trailing", "dtype", "shape",
         "elements", "unknown_batch", "ratios" (each path's CPU time / the
-        formula's), "path" (the winner)}]}`.
+        formula's), "passes", "path" (the winner)}]}`.
     """
     if not tf.executing_eagerly():
         raise RuntimeError(
             "`measure_paths` times steps of its own and must run eagerly, not "
             "inside a tf.function. Call it outside of any traced function."
         )
+    specs = _raced_cells()
+    deadline = time.monotonic() + seconds
+    measured = {}
+    for _ in range(passes):
+        for index, spec in enumerate(specs):
+            if time.monotonic() >= deadline:
+                break
+            measured.setdefault(index, []).append(_race_cell(*spec, reps))
+    cells = [_cell_of(specs[index], ratios) for index, ratios in measured.items()]
+    path = cache_path()
+    write_cells(path, cells)
+    return {"path": path, "cells": cells}
+
+
+def _raced_cells() -> list:
+    """Return `(shape, dtype, unknown_batch, {path: normalize})` to race, in order."""
     from keras_amp_plus.layers import (
         _batch_norm_formula,
         _fused_normalization,
@@ -420,39 +478,45 @@ def measure_paths(seconds: float = 30.0, reps: int = 11) -> dict:
         FUSED_KERNELS: _fused_normalization.kernels_normalize,
     }
     middle_paths = {**paths, BATCH_NORM: _batch_norm_formula.batch_norm_normalize}
-    per_sample = _per_sample_batch_norm.per_sample_normalize
-    deadline = time.monotonic() + seconds
-    cells = []
+    specs = []
     for shapes, racing in ((TRAILING_SHAPES, paths), (MIDDLE_SHAPES, middle_paths)):
-        for shape, dtype, unknown_batch in (
-            (s, d, u) for s in shapes for d in DTYPES for u in (False, True)
-        ):
-            if time.monotonic() >= deadline:
-                break
-            raced = dict(racing)
-            if _per_sample_applies(shape, dtype, unknown_batch):
-                raced[PER_SAMPLE_BATCH_NORM] = per_sample
-            steps = {
-                name: _step(f, shape, dtype, unknown_batch) for name, f in raced.items()
-            }
-            medians = time_interleaved(steps, reps)
-            ratios = {name: t / medians[KERAS_FORMULA] for name, t in medians.items()}
-            trailing, elements = len(shape) == 2, math.prod(shape)
-            safe = safe_path(unknown_batch, trailing, elements, BATCH_NORM in raced)
-            cells.append(
-                {
-                    "trailing": trailing,
-                    "dtype": dtype,
-                    "shape": list(shape),
-                    "elements": elements,
-                    "unknown_batch": unknown_batch,
-                    "ratios": ratios,
-                    "path": winner(ratios, safe),
-                }
-            )
-    path = cache_path()
-    write_cells(path, cells)
-    return {"path": path, "cells": cells}
+        for shape in shapes:
+            for dtype in DTYPES:
+                for unknown_batch in (False, True):
+                    raced = dict(racing)
+                    if _per_sample_applies(shape, dtype, unknown_batch):
+                        per_sample = _per_sample_batch_norm.per_sample_normalize
+                        raced[PER_SAMPLE_BATCH_NORM] = per_sample
+                    specs.append((shape, dtype, unknown_batch, raced))
+    return specs
+
+
+def _race_cell(shape, dtype, unknown_batch, raced, reps) -> dict:
+    """Return each raced path's median CPU time over the formula's, one pass."""
+    steps = {name: _step(f, shape, dtype, unknown_batch) for name, f in raced.items()}
+    medians = time_interleaved(steps, reps)
+    return {name: t / medians[KERAS_FORMULA] for name, t in medians.items()}
+
+
+def _cell_of(spec, passes) -> dict:
+    """Return the cached cell of `spec` from its passes' ratios."""
+    shape, dtype, unknown_batch, raced = spec
+    ratios = {
+        name: statistics.geometric_mean(ratios[name] for ratios in passes)
+        for name in raced
+    }
+    trailing, elements = len(shape) == 2, math.prod(shape)
+    safe = safe_path(unknown_batch, trailing, elements, BATCH_NORM in raced)
+    return {
+        "trailing": trailing,
+        "dtype": dtype,
+        "shape": list(shape),
+        "elements": elements,
+        "unknown_batch": unknown_batch,
+        "ratios": ratios,
+        "passes": len(passes),
+        "path": winner(ratios, safe),
+    }
 
 
 def _per_sample_applies(shape, dtype, unknown_batch):

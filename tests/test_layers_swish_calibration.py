@@ -93,6 +93,20 @@ def test_measure_recompute_caches_ratios(empty_path_cache, monkeypatch):
     assert _swish_calibration.cached_cells() == measured["cells"]
 
 
+def test_measure_recompute_takes_the_geometric_mean_of_two_passes(
+    empty_path_cache, monkeypatch
+):
+    # A pass slowed down at one size (0.97: a tie) and one that was not
+    # (0.81): recomputing wins there over both (0.89 < CLEAR_WIN).
+    monkeypatch.setattr(_swish_calibration, "RACED_SHAPES", ((1024, 1024),))
+    ratios = iter([0.97, 0.81])
+    monkeypatch.setattr(_swish_calibration, "_recompute_ratio", lambda *_: next(ratios))
+    (cell,) = _swish_calibration.measure_recompute(["float32"])["cells"]
+    assert cell["passes"] == 2
+    assert cell["ratio"] == pytest.approx((0.97 * 0.81) ** 0.5)
+    assert _swish_calibration.recompute_threshold("float32", 4 * MIB) == MIB
+
+
 def test_measure_recompute_refuses_to_run_traced():
     with pytest.raises(RuntimeError, match="must run eagerly"):
         tf.function(lambda: _swish_calibration.measure_recompute(["float32"]))()

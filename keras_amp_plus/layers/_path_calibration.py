@@ -422,6 +422,27 @@ def time_interleaved(steps, reps):
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def race_in_passes(specs, race, seconds: float, passes: int) -> dict:
+    """Return `{index in specs: [race(spec) of each pass]}`, within `seconds`.
+
+    Each pass runs `race` on every spec in order; the next pass starts over.
+    Past `seconds` of wall time nothing more starts: the specs reached in
+    fewer passes (or none) have fewer results (or none).
+
+    Example:
+    >>> race_in_passes(["a", "b"], str.upper, seconds=60.0, passes=2)
+    {0: ['A', 'A'], 1: ['B', 'B']}
+    """
+    deadline = time.monotonic() + seconds
+    measured = {}
+    for _ in range(passes):
+        for index, spec in enumerate(specs):
+            if time.monotonic() >= deadline:
+                return measured
+            measured.setdefault(index, []).append(race(spec))
+    return measured
+
+
 def measure_paths(seconds: float = 30.0, reps: int = 11, passes: int = 2) -> dict:
     """Race the paths in graph steps and cache the winners on disk.
 
@@ -451,13 +472,9 @@ def measure_paths(seconds: float = 30.0, reps: int = 11, passes: int = 2) -> dic
             "inside a tf.function. Call it outside of any traced function."
         )
     specs = _raced_cells()
-    deadline = time.monotonic() + seconds
-    measured = {}
-    for _ in range(passes):
-        for index, spec in enumerate(specs):
-            if time.monotonic() >= deadline:
-                break
-            measured.setdefault(index, []).append(_race_cell(*spec, reps))
+    measured = race_in_passes(
+        specs, lambda spec: _race_cell(*spec, reps), seconds, passes
+    )
     cells = [_cell_of(specs[index], ratios) for index, ratios in measured.items()]
     path = cache_path()
     write_cells(path, cells)

@@ -8,14 +8,15 @@ thresholds two octaves apart (`benchmarks/swish_xla.py`, README's "Measured").
 `measure_recompute`
 times both forms at a few sizes per input precision that has a threshold on
 this machine (`_swish_activation._recompute_threshold`), forward + backward,
-interleaved, medians of process CPU time, and caches the ratios in
+interleaved, medians of process CPU time, in two passes (as the paths'
+race), and caches the ratios in
 `keras_amp_plus._hardware.cache_dir()` beside the normalization paths' race
 (`_path_calibration.cache_file`). `recompute_threshold` reads them back;
 without a measurement the layer's own table applies.
 """
 
 import math
-import time
+import statistics
 
 import tensorflow as tf
 
@@ -27,8 +28,9 @@ RACED_SHAPES = ((512, 1024), (1024, 1024), (1024, 2048), (2048, 2048), (4096, 20
 # win at a size, and keeping less than this share of recomputing's: a median
 # of a few calls moves by a few percent. Between, the table's choice stands.
 CLEAR_WIN = 0.95
-# Part of the cache file's name: raise it when either raced form changes.
-REVISION = 1
+# Part of the cache file's name: raise it when either raced form or the way
+# they are timed changes.
+REVISION = 2
 
 
 def cache_path() -> str:
@@ -91,49 +93,60 @@ def _recomputes(cell, default) -> bool:
     return cell["elements"] >= default
 
 
-def measure_recompute(dtype_names, seconds: float = 10.0, reps: int = 7) -> dict:
+def measure_recompute(
+    dtype_names, seconds: float = 10.0, reps: int = 7, passes: int = 2
+) -> dict:
     """Race keeping and recomputing the sigmoid inside XLA and cache the ratios.
 
     Runs eagerly (never inside a `tf.function`). Cells are measured per
-    dtype, smallest first, until `seconds` of wall time are spent; the ones
-    done are cached.
+    dtype, smallest first, then again, `passes` times in all, until
+    `seconds` of wall time are spent (`_path_calibration.race_in_passes`);
+    a cell's ratio is the geometric mean over its passes. The cells done are
+    cached.
 
     Args:
         dtype_names: the input dtypes to race (names).
         seconds: wall-time budget. Defaults to `10.0`.
-        reps: interleaved calls per form and cell. Defaults to `7`.
+        reps: interleaved calls per form and cell in each pass. Defaults to
+            `7`.
+        passes: how many times each cell is raced at most. Defaults to `2`.
 
     Returns:
         `{"path": cache file, "cells": [{"dtype", "shape", "elements",
-        "ratio" (recomputing's CPU time / keeping's)}]}`.
+        "ratio" (recomputing's CPU time / keeping's), "passes"}]}`.
     """
     if not tf.executing_eagerly():
         raise RuntimeError(
             "`measure_recompute` times steps of its own and must run eagerly, "
             "not inside a tf.function. Call it outside of any traced function."
         )
-    deadline = time.monotonic() + seconds
-    cells = []
-    for dtype_name in dtype_names:
-        for shape in RACED_SHAPES:
-            if time.monotonic() >= deadline:
-                break
-            steps = {
-                recompute: _xla_step(shape, dtype_name, recompute)
-                for recompute in (False, True)
-            }
-            medians = _path_calibration.time_interleaved(steps, reps)
-            cells.append(
-                {
-                    "dtype": dtype_name,
-                    "shape": list(shape),
-                    "elements": math.prod(shape),
-                    "ratio": medians[True] / medians[False],
-                }
-            )
+    specs = [(name, shape) for name in dtype_names for shape in RACED_SHAPES]
+    measured = _path_calibration.race_in_passes(
+        specs, lambda spec: _recompute_ratio(*spec, reps), seconds, passes
+    )
+    cells = [
+        {
+            "dtype": specs[index][0],
+            "shape": list(specs[index][1]),
+            "elements": math.prod(specs[index][1]),
+            "ratio": statistics.geometric_mean(ratios),
+            "passes": len(ratios),
+        }
+        for index, ratios in measured.items()
+    ]
     path = cache_path()
     _path_calibration.write_cells(path, cells)
     return {"path": path, "cells": cells}
+
+
+def _recompute_ratio(dtype_name, shape, reps) -> float:
+    """Return recomputing's median CPU time over keeping's, one pass."""
+    steps = {
+        recompute: _xla_step(shape, dtype_name, recompute)
+        for recompute in (False, True)
+    }
+    medians = _path_calibration.time_interleaved(steps, reps)
+    return medians[True] / medians[False]
 
 
 def _xla_step(shape, dtype_name, recompute):

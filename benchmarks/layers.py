@@ -30,10 +30,12 @@ processes on a shared machine inflates it little.
 The ratio is ours / Keras's: below 1 is faster. Outputs are checked against
 Keras's (same weights) before timing.
 
-Before timing, the layers' graph-step path choice is measured as the doctor
-measures it (`keras_amp_plus.layers._path_calibration`, into a temporary
-cache directory so the user's cache is left alone; `--no-calibrate` keeps the
-rule from CPU features); the measured cells go into the JSON.
+Before timing, the layers' graph-step path choice and Swish's sigmoid
+threshold inside XLA are measured as the doctor measures them
+(`keras_amp_plus.layers._path_calibration`, `_swish_calibration`), into a
+temporary cache directory so the user's cache is left alone;
+`--no-calibrate` reads the user's cache (the rule and the table where
+nothing is cached). The measured path cells go into the JSON.
 
 `--control` adds an A/A control to every cell: a second Keras layer (same
 weights, its own function) timed in the same rounds; its ratio to Keras's shows
@@ -79,7 +81,11 @@ import tensorflow as tf
 from machine import cpu_kind, print_header
 
 from keras_amp_plus import layers
-from keras_amp_plus.layers import _path_calibration
+from keras_amp_plus.layers import (
+    _path_calibration,
+    _swish_activation,
+    _swish_calibration,
+)
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 POLICIES = ("mixed_bfloat16", "mixed_float16", "float32")
@@ -415,8 +421,17 @@ def parse_args():
 
 
 def calibrate(quick):
-    """Measure the graph-step paths into a fresh cache directory; return cells."""
+    """Measure what the doctor measures into a fresh cache directory; return cells.
+
+    The graph-step paths (returned) and Swish's sigmoid threshold inside XLA,
+    as `python -m keras_amp_plus doctor` races them for the layers.
+    """
     os.environ["KERAS_AMP_PLUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kap_paths_")
+    raced = list(_swish_activation.sigmoid_thresholds())
+    _swish_calibration.measure_recompute(raced, seconds=8.0 if quick else 32.0)
+    print(
+        f"measured Swish's sigmoid thresholds: {_swish_activation.sigmoid_thresholds()}"
+    )
     result = _path_calibration.measure_paths(
         seconds=20.0 if quick else 80.0, reps=3 if quick else 11
     )

@@ -402,7 +402,9 @@ def parse_args():
     parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
     parser.add_argument("--layers", nargs="+", default=list(GRID), choices=GRID)
     parser.add_argument(
-        "--no-calibrate", action="store_true", help="skip measuring the paths"
+        "--no-calibrate",
+        action="store_true",
+        help="skip measuring the paths and Swish's threshold (read the user's cache)",
     )
     parser.add_argument(
         "--floor", action="store_true", help="also time AffineFloor (the floor)"

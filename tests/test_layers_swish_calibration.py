@@ -5,8 +5,10 @@ import json
 import pytest
 import tensorflow as tf
 
+from keras_amp_plus import _compat
 from keras_amp_plus.layers import (
     _path_calibration,
+    _precision,
     _swish_activation,
     _swish_calibration,
 )
@@ -112,12 +114,18 @@ def test_measure_recompute_refuses_to_run_traced():
         tf.function(lambda: _swish_calibration.measure_recompute(["float32"]))()
 
 
-def test_sigmoid_thresholds_reads_the_race_per_precision(empty_path_cache):
-    # float32 has a threshold on every CPU; its measured one replaces the
-    # table's, and a precision without one here is not listed.
+def test_sigmoid_thresholds_reads_the_race_per_precision(empty_path_cache, monkeypatch):
+    # float32's measured threshold replaces the table's; bfloat16 and float16
+    # have one only where they recompute (oneDNN off, no float16 arithmetic).
     _write_cells({MIB: 0.8, 2 * MIB: 0.8, 4 * MIB: 0.8, 8 * MIB: 0.8})
-    thresholds = _swish_activation.sigmoid_thresholds()
-    assert thresholds["float32"] == MIB
-    for name in ("bfloat16", "float16"):
-        has_one = _swish_activation.threshold_family(name) == name
-        assert (name in thresholds) == has_one
+    table = _swish_activation.RECOMPUTE_SIGMOID_MIN_ELEMENTS
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: False)
+    monkeypatch.setattr(_precision, "emulated_float16", lambda d: d == tf.float16)
+    assert _swish_activation.sigmoid_thresholds() == {
+        "float32": MIB,
+        "bfloat16": table["bfloat16"],
+        "float16": table["float16"],
+    }
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
+    monkeypatch.setattr(_precision, "emulated_float16", lambda d: False)
+    assert _swish_activation.sigmoid_thresholds() == {"float32": MIB}

@@ -154,7 +154,9 @@ def measured_path(
             the winners measured in such steps apply). Defaults to `False`.
         unavailable: paths this input cannot take. Where the nearest
             measurement's winner is one of them, the winner among the paths
-            it raced that remain (`winner`). Defaults to `()`.
+            it raced that remain (`winner`); of measurements equally near,
+            the one raced with the per-sample path exactly where the input
+            can take it (`_nearest_cell`). Defaults to `()`: every path.
 
     Returns:
         A path from the nearest measured size of the same kind and
@@ -223,7 +225,9 @@ def float16_path(ratios, path) -> str:
     return BATCH_NORM if close else path
 
 
-def unmeasured_path(elements, trailing_statistics, dtype, batch_norm_applies) -> str:
+def unmeasured_path(
+    elements, trailing_statistics, dtype, batch_norm_applies, unavailable=None
+) -> str:
     """Return the path of a step traced for any batch size, measured nowhere near.
 
     That is the safe side (`safe_path`), unless the nearest measurement of
@@ -237,6 +241,8 @@ def unmeasured_path(elements, trailing_statistics, dtype, batch_norm_applies) ->
         trailing_statistics: True for statistics over trailing axes.
         dtype: the input's dtype.
         batch_norm_applies: whether the input can take `BATCH_NORM`.
+        unavailable: as in `measured_path`, for the choice between equally
+            near measurements. Defaults to `None` (the first of them).
 
     Example:
     >>> import os, tempfile
@@ -246,7 +252,7 @@ def unmeasured_path(elements, trailing_statistics, dtype, batch_norm_applies) ->
     >>> del os.environ["KERAS_AMP_PLUS_CACHE_DIR"]
     """
     safe = safe_path(True, trailing_statistics, elements, batch_norm_applies)
-    nearest = _nearest_cell(elements, trailing_statistics, dtype, True)
+    nearest = _nearest_cell(elements, trailing_statistics, dtype, True, unavailable)
     if nearest is None:
         return safe
     ratios = nearest.get("ratios", {})  # a hand-written cell may have none
@@ -286,7 +292,8 @@ def _other_kind(cell, unavailable) -> bool:
     """Return whether `cell`'s race and the input differ in the per-sample path.
 
     True where the cell raced the per-sample batch norm and the input cannot
-    take it, or the other way round; never without `unavailable`.
+    take it, or the other way round. `unavailable` None: False (no
+    preference between equally near cells).
     """
     if unavailable is None:
         return False
@@ -429,6 +436,16 @@ def race_in_passes(specs, race, seconds: float, passes: int) -> dict:
     Past `seconds` of wall time nothing more starts: the specs reached in
     fewer passes (or none) have fewer results (or none).
 
+    Args:
+        specs: what to race, in order (a sequence).
+        race: `race(spec)`, one measurement of one spec.
+        seconds: wall-time budget.
+        passes: how many times each spec is raced at most.
+
+    Returns:
+        The results by index of their spec, in the order of `specs`; specs
+        not reached are absent.
+
     Example:
     >>> race_in_passes(["a", "b"], str.upper, seconds=60.0, passes=2)
     {0: ['A', 'A'], 1: ['B', 'B']}
@@ -515,11 +532,11 @@ def _race_cell(shape, dtype, unknown_batch, raced, reps) -> dict:
     return {name: t / medians[KERAS_FORMULA] for name, t in medians.items()}
 
 
-def _cell_of(spec, passes) -> dict:
-    """Return the cached cell of `spec` from its passes' ratios."""
+def _cell_of(spec, pass_ratios) -> dict:
+    """Return the cached cell of `spec` from the ratios of each of its passes."""
     shape, dtype, unknown_batch, raced = spec
     ratios = {
-        name: statistics.geometric_mean(ratios[name] for ratios in passes)
+        name: statistics.geometric_mean(ratios[name] for ratios in pass_ratios)
         for name in raced
     }
     trailing, elements = len(shape) == 2, math.prod(shape)
@@ -531,7 +548,7 @@ def _cell_of(spec, passes) -> dict:
         "elements": elements,
         "unknown_batch": unknown_batch,
         "ratios": ratios,
-        "passes": len(passes),
+        "passes": len(pass_ratios),
         "path": winner(ratios, safe),
     }
 

@@ -405,7 +405,7 @@ def _graph_step_path(
         return KERAS_FORMULA
     if unknown_batch:  # the safe side of such steps' measurements
         path = _path_calibration.unmeasured_path(
-            elements, trailing_statistics, dtype, batch_norm_applies
+            elements, trailing_statistics, dtype, batch_norm_applies, unavailable
         )
         # The batch-norm kernel's side (from 2**22 elements): per sample, a
         # loop, beat the transposed batch there in every dtype measured.

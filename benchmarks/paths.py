@@ -17,7 +17,9 @@ layout, channels as rows at every size (`fused_kernels_as_rows`), and in
 float16 TensorFlow's batch-norm kernel in float16 (`batch_norm_float16_kernel`,
 `per_sample_batch_norm_float16_kernel`) beside the paths as the layer runs
 them, which on a CPU without float16 arithmetic widen to the float32 kernel
-(`_precision.kernel_dtype`).
+(`_precision.kernel_dtype`), and the kernels and Keras's formula on the
+float16 input widened once to float32 (`fused_kernels_widened`,
+`keras_formula_widened`: a float32 layer between two casts).
 
 The header names the CPU; the JSON written to `benchmarks/results/` (named per
 CPU kind) carries it with every cell.
@@ -37,6 +39,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
+import tensorflow as tf
 from layers import (
     GRID,
     POLICIES,
@@ -63,6 +66,11 @@ KERNELS_AS_ROWS = "fused_kernels_as_rows"
 # The batch-norm paths with the kernel in float16, as CPUs with float16
 # arithmetic run them (float16 inputs only; suffix of the path's name).
 FLOAT16_KERNEL = "_float16_kernel"
+# The kernels and Keras's formula on the float16 input widened to float32
+# once (a float32 layer between two casts), as the batch-norm paths widen it
+# on a CPU without float16 arithmetic (float16 inputs only; suffix).
+WIDENED = "_widened"
+WIDENED_PATHS = (_path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA)
 PATHS = {
     "IN": (
         _path_choice.KERAS_FORMULA,
@@ -84,7 +92,32 @@ def applicable_paths(kind, shape, dtype):
     batch_norm_paths = (_path_choice.BATCH_NORM, per_sample)
     if dtype == "float16":
         paths += [p + FLOAT16_KERNEL for p in paths if p in batch_norm_paths]
+        paths += [p + WIDENED for p in paths if p in WIDENED_PATHS]
     return paths
+
+
+class Widened(keras.layers.Layer):
+    """A float32 layer between two casts: float16 in, float32 inside, float16 out."""
+
+    def __init__(self, inner):
+        super().__init__(dtype="float32", autocast=False)
+        self.inner = inner
+
+    def call(self, inputs):
+        return tf.cast(self.inner(tf.cast(inputs, tf.float32)), inputs.dtype)
+
+
+def forced_layer(kind, path, shape, weights):
+    """Return a fresh layer of ours for `path` (`WIDENED`: wrapped, float32)."""
+    if not path.endswith(WIDENED):
+        layer = layer_pair(kind)[0]
+        layer.build(shape)
+        layer.set_weights(weights)
+        return layer
+    inner = type(layer_pair(kind)[0])(dtype="float32")
+    inner.build(shape)
+    inner.set_weights(weights)
+    return Widened(inner)
 
 
 def traced_with_path(step, path, x, upstream):
@@ -98,7 +131,7 @@ def traced_with_path(step, path, x, upstream):
     previous = os.environ.get(_path_choice.PATH_VARIABLE)
     as_rows = path == KERNELS_AS_ROWS
     float16_kernel = path.endswith(FLOAT16_KERNEL)
-    path = path.removesuffix(FLOAT16_KERNEL)
+    path = path.removesuffix(FLOAT16_KERNEL).removesuffix(WIDENED)
     os.environ[_path_choice.PATH_VARIABLE] = (
         _path_choice.FUSED_KERNELS if as_rows else path
     )
@@ -128,10 +161,7 @@ def build_steps(kind, shape, policy, step_kind):
         dtype = keras.config.dtype_policy().compute_dtype
         forced = {}
         for path in applicable_paths(kind, shape, dtype):
-            layer = layer_pair(kind)[0]
-            layer.build(shape)
-            layer.set_weights(ours.get_weights())
-            forced[path] = layer
+            forced[path] = forced_layer(kind, path, shape, ours.get_weights())
     finally:
         keras.config.set_dtype_policy(previous)
     x, upstream = inputs_for(shape, dtype)

@@ -88,6 +88,38 @@ def test_skipped_steps_loss_can_be_kept_in_the_epoch_mean():
     assert not np.isfinite(history.history["loss"][0])
 
 
+class LossSpy(keras.callbacks.Callback):
+    """Keeps the logs each epoch's end hands to a callback."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch_logs = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_logs.append(dict(logs))
+
+
+def test_an_epoch_of_skipped_steps_reads_nan_in_callbacks_before_the_monitor(
+    tmp_path,
+):
+    # `hot` overflows float16 on every step until the monitor denies it after
+    # the first epoch: no step of that epoch is applied.
+    model = overflow_model("mixed_float16")
+    model.compile(model.optimizer, loss="mse", metrics=["mae"])
+    spy = LossSpy()
+    monitor = AMPMonitor(str(tmp_path))
+    history = train(model, [spy, monitor, LossSpy()], epochs=2)
+    first, second = spy.epoch_logs
+    assert history.history["overflow_events"][0] == STEPS_PER_EPOCH
+    # Keras reports the metrics' empty state as 0 (a "best" loss for
+    # `ModelCheckpoint`); nothing was measured.
+    assert np.isnan(first["loss"]) and np.isnan(first["mae"])
+    assert np.isfinite(second["loss"]) and np.isfinite(second["mae"])
+    assert np.isnan(history.history["loss"][0])
+    # The next epoch reads Keras's own results again.
+    assert history.history["loss"][1] == pytest.approx(second["loss"])
+
+
 def test_early_stopping_on_loss_keeps_a_run_with_sporadic_overflows():
     monitor = AMPMonitor(adapt=False, evidence_decay=0.0)
     stop = keras.callbacks.EarlyStopping(monitor="loss", patience=1)

@@ -123,8 +123,9 @@ class AMPMonitor(keras.callbacks.Callback):
             does not. 0 counts each epoch alone. Defaults to `0.7`.
         exclude_skipped_steps: leave the loss (and metrics) of steps the scaler
             skipped out of the epoch's averages, so `EarlyStopping` and
-            `ReduceLROnPlateau` see the loss of the applied steps (NaN when
-            every step of the epoch was skipped). Defaults to `True`.
+            `ReduceLROnPlateau` see the loss of the applied steps: NaN, for
+            every callback wherever it is listed, when every step of the
+            epoch was skipped (Keras would report 0). Defaults to `True`.
 
     Example:
     >>> import keras, numpy as np

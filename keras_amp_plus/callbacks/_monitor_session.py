@@ -218,6 +218,7 @@ class MonitorSession:
         """Start or resume the record (first epoch); reset the epoch's counters."""
         if not self.started:
             self.start(epoch)
+        self.recorder.begin_epoch()
         self.epoch = epoch
         self.epoch_events = []
         self.last_batch = -1
@@ -476,15 +477,6 @@ class MonitorSession:
         self.report_epoch(epoch, events, steps, evidence)
         if logs is not None:
             logs["overflow_events"] = len(events)
-            if (
-                self.monitor.exclude_skipped_steps
-                and self.has_scaler()
-                and steps
-                and len(events) >= steps
-                and "loss" in logs
-            ):
-                # Every step was skipped: no loss was averaged (Keras reports 0).
-                logs["loss"] = float("nan")
         if self.monitor.adapt:
             changes = self.adapt(epoch, evidence)
             if changes:

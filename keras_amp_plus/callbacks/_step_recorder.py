@@ -62,6 +62,23 @@ def scaler_kind(optimizer) -> str:
     return SCALER_NONE
 
 
+# The model's methods the recorder wraps on the instance while it is installed.
+WRAPPED_ATTRIBUTES = (
+    "train_step",
+    "compute_loss",
+    "make_train_function",
+    "get_metrics_result",
+)
+
+
+def _nan_like(value):
+    """Return NaN in the shape of a float metric result; others unchanged."""
+    value = tf.convert_to_tensor(value)
+    if not value.dtype.is_floating:
+        return value
+    return tf.fill(tf.shape(value), tf.constant(float("nan"), value.dtype))
+
+
 def _variable(name, shape, dtype):
     return tf.Variable(
         tf.zeros(shape, dtype),
@@ -146,6 +163,7 @@ class StepRecorder:
         # Replicas of a MirroredStrategy trace the step in their own threads.
         self._local = threading.local()
         self._saved_attributes = {}
+        self._steps_before_epoch = 0
         self.loss_watched = True
         self.call_order = []
         self.installed = False
@@ -155,7 +173,8 @@ class StepRecorder:
     def install(self) -> None:
         """Wrap the model's step on the instance; the caller then rebuilds it.
 
-        Wraps `train_step` and `compute_loss` and, under `jit_compile=True`,
+        Wraps `train_step` and `compute_loss`, `get_metrics_result` (see
+        `_wrap_get_metrics_result`) and, under `jit_compile=True`,
         `make_train_function` (see `_wrap_make_train_function`).
         """
         model = self.model
@@ -166,6 +185,9 @@ class StepRecorder:
             "train_step": self._wrap_train_step(model.train_step),
             "make_train_function": self._wrap_make_train_function(
                 model.make_train_function
+            ),
+            "get_metrics_result": self._wrap_get_metrics_result(
+                model.get_metrics_result
             ),
         }
         for name, wrapper in wrappers.items():
@@ -191,7 +213,7 @@ class StepRecorder:
 
     def _unwrap_previous(self, model) -> None:
         """Remember the model's own attributes, without any earlier wrapper."""
-        for name in ("train_step", "compute_loss", "make_train_function"):
+        for name in WRAPPED_ATTRIBUTES:
             previous = model.__dict__.get(name)
             # A `fit` that died in an exception never ran `on_train_end`: drop
             # that run's wrapper instead of wrapping it again.
@@ -202,6 +224,40 @@ class StepRecorder:
                 model.__dict__.pop(name, None)
             else:
                 setattr(model, name, previous)
+
+    def begin_epoch(self) -> None:
+        """Note where the epoch starts (`fit` has just reset the metrics)."""
+        self._steps_before_epoch = int(self.total_steps.numpy())
+
+    def _wrap_get_metrics_result(self, original_get_metrics_result):
+        """Report NaN, not Keras's 0, for metrics every step of the epoch left.
+
+        Where the skipped steps are left out of the metrics
+        (`exclude_skipped_steps`) and every step of the epoch so far was
+        skipped, the metrics hold no value: Keras would report their empty
+        state as 0, a loss that `ModelCheckpoint(save_best_only=True)` takes
+        for the best. `fit` reads the epoch's logs through this method before
+        any callback sees them, so every callback, before the monitor or
+        after it, sees NaN. Inside the step's function it is Keras's own.
+        """
+
+        def get_metrics_result():
+            results = original_get_metrics_result()
+            if tf.inside_function() or not self._every_step_left_out():
+                return results
+            return {name: _nan_like(value) for name, value in results.items()}
+
+        return get_metrics_result
+
+    def _every_step_left_out(self) -> bool:
+        """Return True when the epoch ran steps and its metrics hold none."""
+        if self._metric_values() is None:  # nothing is left out
+            return False
+        steps = int(self.total_steps.numpy()) - self._steps_before_epoch
+        # Put back after each skipped step, the metrics still hold the
+        # zeros `fit` reset them to at the epoch's start.
+        variables = self._metric_variables()
+        return steps > 0 and not any(np.any(v.numpy()) for v in variables)
 
     def _wrap_compute_loss(self, original_compute_loss):
         def compute_loss(*args, **kwargs):

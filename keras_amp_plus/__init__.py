@@ -6,12 +6,15 @@ Three things users do:
 2. wrap their optimizer in `keras_amp_plus.optimizers.LossScaleOptimizer`;
 3. add `keras_amp_plus.callbacks.AMPMonitor(log_dir)` to `model.fit`.
 
-The names below are imported on first use, so `python -m keras_amp_plus
-doctor` runs (and reports the problem) even where Keras is on another backend
-or TensorFlow is broken; using any of them checks the backend first.
+The layers and the scaler are imported with the package, so that
+`keras.saving.load_model` finds them in a saved model; the other names on
+first use. `python -m keras_amp_plus doctor` imports none of them first, so
+it runs (and reports the problem) even where Keras is on another backend or
+TensorFlow is broken; using any name checks the backend first.
 """
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -38,6 +41,30 @@ def __getattr__(name):
     value = module if attribute is None else getattr(module, attribute)
     globals()[name] = value  # later lookups skip this function
     return value
+
+
+def _register_serializables() -> None:
+    """Import the layers and the scaler, registering them with Keras's saving.
+
+    `keras.saving.load_model` finds the classes of a saved model by their
+    registered names ("keras_amp_plus>Swish", ...), so a script that only
+    does `import keras_amp_plus` and loads a `.keras` file needs them
+    registered at import. Not under `python -m keras_amp_plus` (the command
+    line, whose `doctor` reports a broken TensorFlow or another Keras backend
+    instead of failing on it; while `-m` imports the package, `sys.argv[0]`
+    is "-m"), and not where the import fails: then using a name raises the
+    error, as before.
+    """
+    if sys.argv[:1] == ["-m"]:
+        return
+    try:
+        importlib.import_module("keras_amp_plus.layers")
+        importlib.import_module("keras_amp_plus.optimizers")
+    except Exception:  # reported when a name is used
+        return
+
+
+_register_serializables()
 
 
 def __dir__():

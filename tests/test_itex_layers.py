@@ -5,6 +5,9 @@ Written against `_compat` only, so the same tests run in the Keras 3 suite and i
 runs ITEX's fused kernel.
 """
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -312,4 +315,38 @@ def test_config_and_weights_round_trip_through_a_keras_file(name, policy, tmp_pa
     x = np.random.default_rng(0).normal(size=(2, 4, 4, 3)).astype("float32")
     np.testing.assert_array_equal(
         f64(model(x)), f64(loaded(x)), err_msg=f"{name} under {policy}"
+    )
+
+
+def test_a_saved_model_loads_after_importing_only_the_package(tmp_path):
+    """`import keras_amp_plus` registers the layers and the scaler for loading."""
+    inputs = keras.Input((4, 4, 3))
+    h = kap.layers.InstanceNormalization()(inputs)
+    h = kap.layers.Swish(trainable_beta=True)(keras.layers.Flatten()(h))
+    h = kap.layers.LayerNormalization()(
+        keras.layers.Dense(8, activation=kap.layers.swish)(h)
+    )
+    model = keras.Model(inputs, h)
+    model.compile(kap.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), "mse")
+    x = np.random.default_rng(0).normal(size=(2, 4, 4, 3)).astype("float32")
+    model.fit(x, np.zeros((2, 8), "float32"), verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    script = (
+        "import sys, keras, keras_amp_plus\n"
+        "model = keras.saving.load_model(sys.argv[1])\n"
+        "print(type(model.optimizer).__module__.split('.')[0],"
+        " [type(layer).__name__ for layer in model.layers])\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script, path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.split("\n")[-2] == (
+        "keras_amp_plus ['InputLayer', 'InstanceNormalization', 'Flatten', "
+        "'Swish', 'Dense', 'LayerNormalization']"
     )

@@ -9,6 +9,8 @@ state, lists and rule) it changes only through the `MonitorMemory` it is given.
 import logging
 
 from keras_amp_plus import _compat
+from keras_amp_plus._lists import layer_names
+from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import _checks as checks
 from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks import _state as state_module
@@ -177,6 +179,18 @@ class MonitorSession:
                     state.epoch_offset = (
                         previous.epoch_offset + previous.epoch + 1 - epoch
                     )
+                    # One cumulative series on one TensorBoard step axis.
+                    state.skipped_steps = previous.skipped_steps
+                    if self._model_keeps_lists_of(previous):
+                        state.lists = previous.lists
+                        state.adaptation = previous.adaptation
+                        logger.info(
+                            "AMPMonitor: continuing the lists of run %d of "
+                            "this log_dir, which the model's dtype policies "
+                            "still carry: %s",
+                            previous.run,
+                            PrecisionLists.from_config(previous.lists),
+                        )
         elif epoch <= state.epoch:
             # The same monitor in a new `fit` that numbers epochs from 0 again.
             state.epoch_offset += state.epoch + 1 - epoch
@@ -206,6 +220,38 @@ class MonitorSession:
         if self.recorder.kind != SCALER_KAP:
             return 0
         return int(self.model.optimizer.overflow_count.numpy())
+
+    def _model_keeps_lists_of(self, previous) -> bool:
+        """Return True when the model still runs the layer lists `previous` left.
+
+        A model trained again (the same object, or reloaded from a `.keras`
+        file) into the same `log_dir` keeps the dtype policies an earlier
+        monitor gave its layers; a new monitor without lists of its own then
+        continues that one's lists and memory (so a denied layer can still
+        move back), instead of logging empty lists while layers run in
+        float32. That is when every layer the earlier deny list names is in
+        this model and computes in float32 (another experiment's model into
+        the same `log_dir` is not continued). Graph engines' op lists live
+        only while a monitor runs: nothing to continue.
+        """
+        lists = PrecisionLists.from_config(previous.lists)
+        if (
+            self.engine.level != "layer"
+            or not lists.deny_layers
+            or self.memory.lists != PrecisionLists()
+        ):
+            return False
+        try:
+            decisions = layer_names.layer_decisions(
+                self.model, lists.allow_layers, lists.deny_layers
+            )
+        except ValueError:  # an entry names no layer of this model
+            return False
+        return all(
+            layer.compute_dtype == "float32"
+            for layer, kind in decisions.values()
+            if kind == "deny"
+        )
 
     def _scaler_steps(self) -> int:
         """Return our scaler's step count (the record's own without it)."""

@@ -231,6 +231,39 @@ def test_a_second_run_appends_and_continues_the_tensorboard_steps(tmp_path):
     assert max(first_steps) == 2 * STEPS_PER_EPOCH
 
 
+@pytest.mark.parametrize("reload", [False, True])
+def test_a_new_monitor_continues_the_lists_the_model_still_carries(tmp_path, reload):
+    log_dir = str(tmp_path / "logs")
+    model = overflow_model("mixed_float16")
+    first = AMPMonitor(log_dir)
+    train(model, [first], epochs=2)
+    assert first.lists.deny_layers == ("hot",)
+    skipped = max(
+        scalar_series(read_tensorboard(log_dir), "amp/skipped_steps").values()
+    )
+    if reload:
+        path = str(tmp_path / "model.keras")
+        model.save(path)
+        model = keras.saving.load_model(path)
+    assert model.get_layer("hot").compute_dtype == "float32"
+    second = AMPMonitor(log_dir)
+    train(model, [second], epochs=1)
+    # Not the empty lists while `hot` runs in float32; and its memory, so
+    # `hot` can still move back after `patience` clean epochs.
+    assert second.lists.deny_layers == ("hot",)
+    assert "hot" in second.rule.get_state()["denials"]
+    lists_texts = [r for r in read_jsonl(log_dir) if r["type"] == "list_change"]
+    assert [(r["run"], r["name"]) for r in lists_texts] == [(1, "hot")]
+    # One cumulative series: the second run starts where the first stopped.
+    steps = scalar_series(read_tensorboard(log_dir), "amp/skipped_steps")
+    later = [value for step, value in steps.items() if step > 2 * STEPS_PER_EPOCH]
+    assert later and min(later) >= skipped
+    # Another experiment's fresh model into the same log_dir starts afresh.
+    third = AMPMonitor(log_dir)
+    train(overflow_model("mixed_float16", hot_scale=1.0), [third], epochs=1)
+    assert third.lists.deny_layers == ()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [

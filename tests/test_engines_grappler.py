@@ -298,3 +298,34 @@ def test_an_own_temporary_dump_dir_is_pruned_and_deleted(monkeypatch):
     del model
     gc.collect()
     assert not os.path.exists(log_dir)
+
+
+def test_a_fit_stopped_by_an_error_in_a_step_leaves_no_rewrite_on(tmp_path):
+    from keras_amp_plus.callbacks import AMPMonitor
+
+    model = _model()
+    before = _global_state()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 6, 6, 2)).astype("float32")
+    y = rng.normal(size=(8, 2)).astype("float32")
+
+    def batches():
+        yield x, y
+        raise RuntimeError("a broken record")
+
+    signature = (
+        tf.TensorSpec((8, 6, 6, 2), tf.float32),
+        tf.TensorSpec((8, 2), tf.float32),
+    )
+    data = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    monitor = AMPMonitor(str(tmp_path), engine="grappler")
+    # Keras calls no `on_train_end` when `fit` raises.
+    with pytest.raises(Exception, match="a broken record"):
+        model.fit(data, epochs=1, verbose=0, callbacks=[monitor])
+    assert _global_state() == before
+    # The model trains without the monitor's step, its events were flushed,
+    # and the monitor runs again in a later `fit`.
+    assert "amp" in os.listdir(tmp_path)
+    assert np.isfinite(_fit_one_step(model).history["loss"][0])
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    assert _global_state() == before

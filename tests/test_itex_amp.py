@@ -296,3 +296,26 @@ def test_amp_monitor_notices_a_rewrite_that_did_not_happen(itex_log_dir):
             callbacks=[monitor, ConflictingConfig()],
         )
     assert itex_log.count_rewrites(itex_log_dir) == 0
+
+
+@pytest.mark.itex_bfloat16
+def test_a_fit_stopped_by_an_error_in_a_step_puts_the_config_back(tmp_path):
+    itex = _compat.itex_module()
+    before = itex.get_config().SerializeToString()
+    model = transformer()
+    x, y = data()
+
+    def batches():
+        yield x[:16], y[:16]
+        raise RuntimeError("a broken record")
+
+    signature = (
+        tf.TensorSpec((16, *x.shape[1:]), tf.float32),
+        tf.TensorSpec((16,), tf.int64),
+    )
+    stream = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    monitor = kap.callbacks.AMPMonitor(str(tmp_path), engine="itex")
+    # Keras calls no `on_train_end` when `fit` raises.
+    with pytest.raises(Exception, match="a broken record"):
+        model.fit(stream, epochs=1, verbose=0, callbacks=[monitor])
+    assert itex.get_config().SerializeToString() == before

@@ -138,6 +138,7 @@ class MonitorSession:
             # rebuilding it (not deleting it) makes the next step trace
             # through the wrappers.
             model.make_train_function(force=True)
+        self.recorder.on_abort = self.abort
         self.collector = EventCollector(
             model, self.recorder, self.index, memory.rule, monitor.replay
         )
@@ -547,6 +548,22 @@ class MonitorSession:
         )
         state_module.save_snapshot(self.write_dir, state, self.snapshots)
         self.log.flush()
+
+    def abort(self) -> None:
+        """Undo what `close` undoes when `fit` stops on an exception in a step.
+
+        Keras calls no `on_train_end` then: the logs are flushed, the model
+        gets its own step back and a graph engine's rewrite is switched off,
+        so later models of the process train as they would without the
+        monitor. Nothing is kept for the next `fit` to reuse.
+        """
+        self.log.close()
+        self.recorder.on_abort = lambda: None
+        self.recorder.uninstall()
+        if self.engine.level == "op":
+            self.engine.restore()  # rebuilds the model's functions
+        else:
+            self.model.make_train_function(force=True)
 
     def close(self) -> StepCache:
         """Flush, close and uninstall (end of `fit`); return the step to reuse."""

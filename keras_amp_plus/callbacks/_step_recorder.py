@@ -71,6 +71,10 @@ WRAPPED_ATTRIBUTES = (
 )
 
 
+# What a train function raises at the end of the data: `fit` catches it.
+END_OF_DATA = (StopIteration, tf.errors.OutOfRangeError)
+
+
 def _nan_like(value):
     """Return NaN in the shape of a float metric result; others unchanged."""
     value = tf.convert_to_tensor(value)
@@ -164,6 +168,8 @@ class StepRecorder:
         self._local = threading.local()
         self._saved_attributes = {}
         self._steps_before_epoch = 0
+        # Called when a step raises (`_stopping_cleanly`); the session's.
+        self.on_abort = lambda: None
         self.loss_watched = True
         self.call_order = []
         self.installed = False
@@ -311,11 +317,40 @@ class StepRecorder:
             # Decided when the step is built: the model's setting of now.
             self.compiles_model_step = self.can_compile_model_step()
             if not self.compiles_model_step:
-                return original_make_train_function(force=force)
-            with _compat.train_function_built_without_xla(self.model):
-                return original_make_train_function(force=force)
+                built = original_make_train_function(force=force)
+            else:
+                with _compat.train_function_built_without_xla(self.model):
+                    built = original_make_train_function(force=force)
+            model = self.model
+            model.train_function = self._stopping_cleanly(model.train_function)
+            # Keras 2 returns the function (and `fit` keeps the returned one).
+            return None if built is None else model.train_function
 
         return make_train_function
+
+    def _stopping_cleanly(self, train_function):
+        """Return `train_function` calling `on_abort` when a step raises.
+
+        `fit` calls no callback when it stops on an exception (a
+        `KeyboardInterrupt`, an error in the step), so the monitor would
+        leave its global switches on (a graph engine's rewrite) for every
+        later model of the process. The end of the data is no such stop:
+        Keras catches it and ends the epoch.
+        """
+        if train_function is None or hasattr(train_function, "_amp_monitor_guard"):
+            return train_function
+
+        def train_function_stopping_cleanly(*args, **kwargs):
+            try:
+                return train_function(*args, **kwargs)
+            except END_OF_DATA:
+                raise
+            except BaseException:
+                self.on_abort()
+                raise
+
+        train_function_stopping_cleanly._amp_monitor_guard = True
+        return train_function_stopping_cleanly
 
     def uninstall(self) -> None:
         """Put back the model's own `train_step`/`compute_loss`."""

@@ -2,11 +2,13 @@
 
 Layer level (every engine): each layer's dtype policy and compute dtype.
 
-Op level (graph engines): grappler (and ITEX) write, per optimized function,
+Op level (graph engines): grappler writes, per optimized function,
 `graphdef_preop_<function>_<stamp>.pb` (before) and
 `graphdef_AutoMixedPrecision_<function>_<stamp>.pb` (after the rewrite; absent
-when nothing was converted) into `*_AUTO_MIXED_PRECISION_*_LOG_PATH`, plus
-`paintbuckets_*.txt` (the final lists). A node counts as converted when its
+when nothing was converted; ITEX names them `graphdef_<stage>_<id>.pb`, and
+the report names such a graph "graph <id>") into
+`*_AUTO_MIXED_PRECISION_*_LOG_PATH`, plus `paintbuckets_*.txt` (the final
+lists). A node counts as converted when its
 `T`/`dtype` attribute is bfloat16 (or float16) after the rewrite but was not
 before; Cast nodes the rewrite inserted (named `...-CastToBf16-...
 -AutoMixedPrecision`) are counted apart. A function with a `preop` dump and no
@@ -33,8 +35,10 @@ from keras_amp_plus.engines._resolve import (
 )
 
 ITEX_LOG_PATH_VARIABLE = "ITEX_AUTO_MIXED_PRECISION_LOG_PATH"
+# ITEX's pass names its dumps without the function: `graphdef_<stage>_<id>.pb`.
 _DUMP_NAME = re.compile(
-    r"graphdef_(?P<stage>AutoMixedPrecision|preop)_(?P<function>.+)_(?P<stamp>\d+)\.pb"
+    r"graphdef_(?P<stage>AutoMixedPrecision|preop)_(?:(?P<function>.+)_)?"
+    r"(?P<stamp>\d+)\.pb"
 )
 _LOW_PRECISION = {tf.bfloat16.as_datatype_enum, tf.float16.as_datatype_enum}
 _TYPE_ATTRIBUTES = ("T", "dtype")
@@ -68,10 +72,16 @@ def _read_paint_buckets(path: str) -> dict:
     return buckets
 
 
-def _record(path: str, graph, converted, casts_inserted: int, lists) -> dict:
+def _inserted_cast(node) -> bool:
+    return node.op == "Cast" and node.name.endswith("AutoMixedPrecision")
+
+
+def _record(
+    path: str, graph, converted, casts_inserted: int, lists, second_pass=False
+) -> dict:
     match = _DUMP_NAME.fullmatch(os.path.basename(path))
     return {
-        "function": match["function"],
+        "function": match["function"] or f"graph {match['stamp']}",
         "file": path,
         "stamp": int(match["stamp"]),
         "is_train": any("gradient_tape/" in node.name for node in graph.node),
@@ -80,6 +90,7 @@ def _record(path: str, graph, converted, casts_inserted: int, lists) -> dict:
         "converted_by_op": dict(sorted(converted.items())),
         "num_casts_inserted": casts_inserted,
         "lists": lists,
+        "second_pass": second_pass,
     }
 
 
@@ -93,21 +104,26 @@ def summarize_dump(path: str) -> dict:
 
     Returns:
         `{"function", "file", "stamp", "is_train", "num_nodes",
-        "num_converted", "converted_by_op", "num_casts_inserted", "lists"}`;
-        `stamp` orders the dumps in time, `lists` is the final ALLOW/INFER/
-        CLEAR/DENY lists from `paintbuckets_*.txt` (empty when absent).
+        "num_converted", "converted_by_op", "num_casts_inserted", "lists",
+        "second_pass"}`; `stamp` orders the dumps in time, `lists` is the
+        final ALLOW/INFER/CLEAR/DENY lists from `paintbuckets_*.txt` (empty
+        when absent), `second_pass` is True for a pass over a graph the
+        rewrite already rewrote (ITEX's pass runs in every round of
+        grappler's: it converts nothing new).
     """
     directory, name = os.path.split(path)
     after = _read_graph(path)
     if _DUMP_NAME.fullmatch(name)["stage"] == "preop":
         return _record(path, after, collections.Counter(), 0, {})
     preop = os.path.join(directory, name.replace("_AutoMixedPrecision_", "_preop_"))
-    already_low = set()
-    if os.path.exists(preop):
-        already_low = {n.name for n in _read_graph(preop).node if _is_low_precision(n)}
+    before = _read_graph(preop).node if os.path.exists(preop) else []
+    already_low = {node.name for node in before if _is_low_precision(node)}
+    # ITEX's pass runs again on a graph it rewrote (grappler's next round):
+    # that second dump converts nothing new.
+    second_pass = any(_inserted_cast(node) for node in before)
     converted, casts_inserted = collections.Counter(), 0
     for node in after.node:
-        if node.op == "Cast" and node.name.endswith("AutoMixedPrecision"):
+        if _inserted_cast(node):
             casts_inserted += 1
         elif _is_low_precision(node) and node.name not in already_low:
             converted[node.op] += 1
@@ -115,7 +131,7 @@ def summarize_dump(path: str) -> dict:
     lists = {}
     if os.path.exists(buckets + ".txt"):
         lists = _read_paint_buckets(buckets + ".txt")
-    return _record(path, after, converted, casts_inserted, lists)
+    return _record(path, after, converted, casts_inserted, lists, second_pass)
 
 
 def read_rewrite_dump(dump_dir: str) -> dict:
@@ -126,9 +142,9 @@ def read_rewrite_dump(dump_dir: str) -> dict:
 
     Returns:
         `{"dump_dir", "functions": [...], "train": <the latest train function
-        or None>}`, functions in the order they were optimized, each as
-        returned by `summarize_dump` (zero converted nodes when the rewrite
-        wrote only the graph before it).
+        (not a second pass) or None>}`, functions in the order they were
+        optimized, each as returned by `summarize_dump` (zero converted
+        nodes when the rewrite wrote only the graph before it).
     """
     if not os.path.isdir(dump_dir):
         # Grappler does not create the directory: nothing was or will be dumped.
@@ -153,7 +169,7 @@ def read_rewrite_dump(dump_dir: str) -> dict:
         (summarize_dump(path) for path in rewritten + untouched),
         key=lambda record: record["stamp"],
     )
-    trains = [record for record in functions if record["is_train"]]
+    trains = [r for r in functions if r["is_train"] and not r["second_pass"]]
     return {
         "dump_dir": dump_dir,
         "functions": functions,

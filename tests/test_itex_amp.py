@@ -319,3 +319,15 @@ def test_a_fit_stopped_by_an_error_in_a_step_puts_the_config_back(tmp_path):
     with pytest.raises(Exception, match="a broken record"):
         model.fit(stream, epochs=1, verbose=0, callbacks=[monitor])
     assert itex.get_config().SerializeToString() == before
+
+
+@pytest.mark.itex_bfloat16
+def test_precision_report_reads_itex_dumps(itex_log_dir, tmp_path):
+    fit_transformer_with_itex_monitor(tmp_path)
+    model = transformer()  # the report reads the dumps of the fit above
+    report = kap.precision_report(model, "itex", log_dir=itex_log_dir)
+    train = report["graph"]["train"]
+    assert train is not None and train["function"].startswith("graph ")
+    # Its matmuls, forward and backward, ran in bfloat16.
+    converted_matmuls = sum(train["converted_by_op"].get(op, 0) for op in DENSE_MATMULS)
+    assert converted_matmuls >= 4

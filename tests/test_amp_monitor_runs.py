@@ -231,6 +231,22 @@ def test_a_second_run_appends_and_continues_the_tensorboard_steps(tmp_path):
     assert max(first_steps) == 2 * STEPS_PER_EPOCH
 
 
+def test_the_loss_scale_series_goes_forward_in_steps(tmp_path):
+    # `hot` is denied after the first epoch and the scale put back; the
+    # scaler then backs off again in the second.
+    train(overflow_model("mixed_float16"), [AMPMonitor(str(tmp_path))], epochs=3)
+    points = [
+        (event.step, float(tf.make_ndarray(event.tensor_proto)))
+        for event in read_tensorboard(str(tmp_path)).Tensors("amp/loss_scale")
+    ]
+    steps = [step for step, _ in points]
+    assert steps == sorted(steps)
+    assert len(set(points)) == len(points)
+    restored = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "scale_restored"]
+    # The put-back scale is on the chart.
+    assert restored and restored[0]["to"] in [value for _, value in points]
+
+
 @pytest.mark.parametrize("reload", [False, True])
 def test_a_new_monitor_continues_the_lists_the_model_still_carries(tmp_path, reload):
     log_dir = str(tmp_path / "logs")

@@ -153,6 +153,7 @@ class MonitorSession:
         self.started = False
         self.epoch_events = []
         self._written_scalars = None
+        self._last_scale_point = None  # (TensorBoard step, value)
         self.snapshots = {}
 
     # -- start / resume ----------------------------------------------------------
@@ -308,11 +309,26 @@ class MonitorSession:
         values = (self.loss_scale(), state.skipped_steps)
         if force_scalars or values != self._written_scalars:
             self._written_scalars = values
-            self.log.scalars(
-                {"amp/loss_scale": values[0], "amp/skipped_steps": values[1]},
-                step=self.tensorboard_step(),
-            )
+            step = self.tensorboard_step()
+            self._scale_point(values[0], step)
+            self.log.scalars({"amp/skipped_steps": values[1]}, step=step)
         return events
+
+    def _scale_point(self, value, step: int) -> None:
+        """Write `amp/loss_scale` at `step`, keeping the series in step order.
+
+        A point before the last one written, or that point again, would draw
+        TensorBoard's line back and forth: a scale put back at an epoch's end
+        is written at the next step, which the next event's "scale before"
+        would otherwise revisit.
+        """
+        last = self._last_scale_point
+        if value is None or (last is not None and step < last[0]):
+            return
+        if (step, value) == last:
+            return
+        self._last_scale_point = (step, value)
+        self.log.scalars({"amp/loss_scale": value}, step=step)
 
     def tensorboard_step(self, step: int | None = None) -> int:
         """Return the TensorBoard step of train step `step` (default: the last)."""
@@ -326,8 +342,8 @@ class MonitorSession:
         if before is None or after is None or before == after:
             return
         step = self.tensorboard_step(event["step"])
-        self.log.scalars({"amp/loss_scale": before}, step=step - 1)
-        self.log.scalars({"amp/loss_scale": after}, step=step)
+        self._scale_point(before, step - 1)
+        self._scale_point(after, step)
 
     def _note_forward_scale(self, event) -> None:
         """Remember the scale before the first forward overflow (see `adapt`)."""
@@ -360,8 +376,8 @@ class MonitorSession:
         optimizer.dynamic_scale.assign(target)
         optimizer.step_counter.assign(0)
         step = self.tensorboard_step()
-        self.log.scalars({"amp/loss_scale": current}, step=step)
-        self.log.scalars({"amp/loss_scale": target}, step=step + 1)
+        self._scale_point(current, step)
+        self._scale_point(target, step + 1)
         self.log.write_record(
             {
                 "type": "scale_restored",

@@ -32,6 +32,7 @@ import time
 
 BATCH = 8  # global batch: 4 per worker
 STEPS_PER_EPOCH = 4
+VALIDATION_STEPS = 2  # validation and `evaluate`, on the training stream
 # Per worker: one epoch reads each worker's data exactly once, so a job
 # restarted at an epoch boundary reads the same batches as one never stopped.
 SAMPLES = BATCH * STEPS_PER_EPOCH // 2
@@ -216,11 +217,16 @@ def run_worker(args):
         dataset,
         epochs=args.epochs,
         steps_per_epoch=STEPS_PER_EPOCH,
+        validation_data=dataset,
+        validation_steps=VALIDATION_STEPS,
         verbose=0,
         callbacks=callbacks,
     )
+    evaluated = model.evaluate(dataset, steps=VALIDATION_STEPS, verbose=0)
     summary = {
         "worker": args.worker,
+        "val_loss": history.history["val_loss"],
+        "evaluate_loss": evaluated,
         "overflow_events": history.history["overflow_events"],
         "deny_per_epoch": deny_per_epoch,
         "lists": monitor.lists.get_config(),

@@ -421,3 +421,45 @@ def test_a_denial_that_cannot_take_effect_is_said_loudly(tmp_path, caplog):
     assert [(r["epoch"], r["layer"]) for r in said] == [(1, "backbone")]
     warnings = [r.message for r in caplog.records if "still overflows" in r.message]
     assert len(warnings) == 1 and "keras.Input" in warnings[0]
+
+
+class _SubclassedNet(keras.Model):
+    """A subclassed model: its layers are created in `__init__`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8, name="dense")
+        self.head = keras.layers.Dense(1, dtype="float32", name="head")
+
+    def call(self, inputs):
+        return self.head(self.dense(inputs))
+
+
+@pytest.mark.parametrize("model_dtype", [None, "float32"])
+def test_a_subclassed_models_own_cast_is_named_with_its_fix(
+    tmp_path, caplog, model_dtype
+):
+    # Inputs of order 1e5: under mixed_float16 the subclassed model casts
+    # them to float16 in its own `__call__`, which denying `dense` cannot
+    # reach. The warning names the fix; with it `dense`'s own cast overflows,
+    # the denial takes effect and training goes on.
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = _SubclassedNet(dtype=model_dtype, name="net")
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.5, 1.0, (32, 4)).astype("float32") * 1e5
+    model(x[:1])
+    model.compile(LossScaleOptimizer(keras.optimizers.SGD(1e-12)), "mse")
+    y = np.zeros((32, 1), "float32")
+    monitor = AMPMonitor(str(tmp_path), deny_threshold=1, patience=50)
+    with caplog.at_level(logging.WARNING, logger="keras_amp_plus"):
+        history = model.fit(
+            x, y, batch_size=8, epochs=3, verbose=0, callbacks=[monitor]
+        )
+    assert monitor.lists.deny_layers == ("dense",)
+    warnings = [r.message for r in caplog.records if "still overflows" in r.message]
+    if model_dtype is None:
+        assert len(warnings) == 1 and 'dtype="float32"' in warnings[0]
+    else:
+        assert warnings == []
+        assert np.isfinite(history.history["loss"][-1])

@@ -170,13 +170,15 @@ def test_demo_quick_shows_the_payoff_and_the_rescue(tmp_path, onednn):
         assert any((log_dir / run / "amp").glob("events.out.tfevents.*"))
 
 
-def test_demo_replaces_only_its_own_previous_runs(tmp_path):
+def test_demo_replaces_only_its_own_previous_runs_and_says_so(tmp_path, capsys):
     (tmp_path / "mixed_float16" / "amp").mkdir(parents=True)
     (tmp_path / "mixed_float16" / "amp" / "old").write_text("old run")
     (tmp_path / "mine.txt").write_text("a user's file")
     demo.clear_previous_runs(str(tmp_path))
     assert not (tmp_path / "mixed_float16").exists()
     assert (tmp_path / "mine.txt").read_text() == "a user's file"
+    replaced = capsys.readouterr().out.splitlines()
+    assert replaced == [f"Replacing the previous demo run {tmp_path / 'mixed_float16'}"]
 
 
 def test_demo_table_compares_with_float32():

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,6 +59,12 @@ def test_two_workers_agree_and_only_the_chief_logs(tmp_path):
         other["skipped_steps"],
         other["total_steps"],
     )
+    # Validation and `evaluate` run too, their losses reduced over the workers.
+    # (epoch 0's validation runs `hot` in float16 still: Inf or NaN.)
+    np.testing.assert_array_equal(chief["val_loss"], other["val_loss"])
+    np.testing.assert_array_equal(chief["evaluate_loss"], other["evaluate_loss"])
+    assert np.isfinite(chief["val_loss"][-1]) and np.isfinite(chief["evaluate_loss"])
+    assert len(chief["val_loss"]) == 2
     # Non-chief workers write nothing into their log_dir.
     assert not os.path.exists(other_dir) or os.listdir(other_dir) == []
 

@@ -175,10 +175,11 @@ def prepare_multi_worker_fit(model) -> None:
     `strategy.reduce` over an `(x, y)` tuple ("Attempt to convert a value
     (PerReplica...)"), and it averages each step's scalar logs with
     `strategy.reduce(..., axis=0)` ("Invalid reduction dimension 0 for input
-    with 0 dimensions"). Call this once after creating the model in
-    `strategy.scope()` and before `fit`; it only changes that model instance
-    (the first local replica's batch builds it; the logs gain a leading axis
-    of size 1, which the average removes again). It does nothing when the
+    with 0 dimensions"), in training, validation and `evaluate`. Call this
+    once after creating the model in `strategy.scope()` and before `fit`;
+    it only changes that model instance (the first local replica's batch
+    builds it; the logs gain a leading axis of size 1, which the average
+    removes again). It does nothing when the
     model's strategy has a single worker.
 
     Args:
@@ -195,13 +196,17 @@ def prepare_multi_worker_fit(model) -> None:
         return
     if not _compat.build_from_first_replica(model, strategy):
         return  # Keras 2 (the ITEX stack): another trainer, not tested there
-    train_step = model.train_step
+    # Validation (`fit(validation_data=...)`) and `evaluate` reduce their
+    # logs the same way.
+    for name in ("train_step", "test_step"):
+        setattr(model, name, _with_vector_logs(getattr(model, name)))
 
-    def train_step_with_vector_logs(data):
-        logs = train_step(data)
-        return tf.nest.map_structure(_as_vector, logs)
 
-    model.train_step = train_step_with_vector_logs
+def _with_vector_logs(step):
+    def step_with_vector_logs(data):
+        return tf.nest.map_structure(_as_vector, step(data))
+
+    return step_with_vector_logs
 
 
 def _as_vector(value):

@@ -42,10 +42,13 @@ DENIAL_WITHOUT_EFFECT = (
 # Why, by the replay's reason.
 CAST_OUTSIDE_THE_LAYER = (
     "A denial cannot reach a cast Keras makes outside the layer's dtype "
-    "policy: a nested `keras.Sequential` built without `keras.Input` casts "
-    "its inputs to the compute dtype its first layer had when it was built "
-    "(float16 under `mixed_float16`), whatever its layers' policies are now. "
-    "Start the nested model with `keras.Input(shape)` (float32 inputs), or "
+    "policy, at the boundary of the model around it: a subclassed "
+    "`keras.Model` created under `mixed_float16` casts its inputs to float16 "
+    "in its own `__call__`, and a nested `keras.Sequential` built without "
+    "`keras.Input` casts them to the compute dtype its first layer had when "
+    "it was built, whatever its layers' policies are now. Create the "
+    'subclassed model with `dtype="float32"` (its layers keep their own '
+    "policies), start the nested `Sequential` with `keras.Input(shape)`, or "
     "bring the inputs into the 16-bit range before the model (e.g. rescale "
     "them in the input pipeline)."
 )

@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--log-dir",
         default="logs/demo",
-        help="TensorBoard log directory (default: logs/demo)",
+        help=(
+            "TensorBoard log directory (default: logs/demo); a previous demo's "
+            "run directories in it are replaced"
+        ),
     )
     demo.add_argument(
         "--epochs", type=_positive_int, default=None, help="default: 5 (2 with --quick)"

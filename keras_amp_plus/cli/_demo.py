@@ -241,10 +241,14 @@ def format_table(rows: list) -> str:
 def clear_previous_runs(log_dir: str) -> None:
     """Delete this demo's own run directories under `log_dir`, nothing else.
 
-    TensorBoard would otherwise draw a new run on top of an old one.
+    TensorBoard would otherwise draw a new run on top of an old one. Says
+    which it deletes, so that nothing goes without a word.
     """
     for policy in RUNS:
-        shutil.rmtree(os.path.join(log_dir, policy), ignore_errors=True)
+        run_dir = os.path.join(log_dir, policy)
+        if os.path.isdir(run_dir):
+            print(f"Replacing the previous demo run {run_dir}")
+            shutil.rmtree(run_dir)
 
 
 def main(log_dir: str = "logs/demo", epochs: int | None = None, quick=False) -> int:

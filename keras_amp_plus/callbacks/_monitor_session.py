@@ -321,9 +321,10 @@ class MonitorSession:
         """Write `amp/loss_scale` at `step`, keeping the series in step order.
 
         A point before the last one written, or that point again, would draw
-        TensorBoard's line back and forth: a scale put back at an epoch's end
-        is written at the next step, which the next event's "scale before"
-        would otherwise revisit.
+        TensorBoard's line back and forth. A point at the last step with a new
+        value is written: a scale put back at an epoch's end is the scale
+        after that epoch's last step, the value the next step starts from
+        (TensorBoard reads the last point of a step).
         """
         last = self._last_scale_point
         if value is None or (last is not None and step < last[0]):
@@ -379,8 +380,10 @@ class MonitorSession:
         optimizer.dynamic_scale.assign(target)
         optimizer.step_counter.assign(0)
         step = self.tensorboard_step()
+        # Both at the epoch's last step: the next step, whether it overflows
+        # or not, starts from `target`.
         self._scale_point(current, step)
-        self._scale_point(target, step + 1)
+        self._scale_point(target, step)
         self.log.write_record(
             {
                 "type": "scale_restored",

@@ -75,6 +75,20 @@ def test_the_users_config_is_the_starting_point():
     assert fields["denylist_remove"] == "Softmax,Sqrt"
 
 
+def test_denying_a_layer_warns_of_the_other_layers_its_op_types_reach():
+    with pytest.warns(UserWarning) as record:
+        op_placements(_model(), PrecisionLists(deny_layers=("head",)))
+    message = str(record[0].message)
+    assert "Denying layers ['head']" in message
+    assert "'MatMul'" in message and "run in float32 too: ['d1']" in message
+    assert "engine='keras'" in message
+    # The layer norm's op types run no other layer: nothing to warn of (the
+    # project's warnings are errors in this suite).
+    assert op_placements(_model(), PrecisionLists(deny_layers=("ln",)))["Mean"] == (
+        "deny"
+    )
+
+
 def test_merge_rejects_an_unknown_list():
     with pytest.raises(ValueError, match=r"Received: MatMul='float32'"):
         merge_list_fields({}, {"MatMul": "float32"})
@@ -84,7 +98,8 @@ def test_layer_entries_become_op_types_and_explicit_ops_win():
     lists = PrecisionLists(
         allow_layers=("d1",), deny_layers=("ln", "head"), allow_ops=("Softmax",)
     )
-    placements = op_placements(_model(), lists)
+    with pytest.warns(UserWarning, match=r"run in float32 too: \['d1'\]"):
+        placements = op_placements(_model(), lists)
     # d1 allows MatMul but head (also a Dense) denies it: deny wins.
     assert placements["MatMul"] == "deny"
     assert placements["Mean"] == placements["Rsqrt"] == "deny"

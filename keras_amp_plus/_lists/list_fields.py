@@ -16,7 +16,7 @@ import warnings
 
 from keras_amp_plus import _compat
 from keras_amp_plus._lists import layer_names
-from keras_amp_plus._lists.op_types import op_types_for_layer
+from keras_amp_plus._lists.op_types import op_types_for_layer, own_op_types
 
 LIST_NAMES = ("allow", "infer", "clear", "deny")
 FIELD_NAMES = tuple(
@@ -87,7 +87,41 @@ def _layer_placements(model, lists) -> dict:
         for op_type in layer_op_types:
             if placements.get(op_type) != "deny":
                 placements[op_type] = kind
+    _warn_of_denials_reaching_other_layers(model, decisions, placements)
     return placements
+
+
+def _warn_of_denials_reaching_other_layers(model, decisions, placements) -> None:
+    """Warn when a denied layer's op types also run layers not denied.
+
+    A graph list holds op types, not layers: denying one Dense layer's
+    MatMul denies every MatMul of the model, a quiet float32 run of layers
+    the user never listed.
+    """
+    denied_layers = [layer.name for layer, kind in decisions.values() if kind == "deny"]
+    denied_ops = {op for op, kind in placements.items() if kind == "deny"}
+    if not denied_layers:
+        return
+    reached = {}
+    for layer in layer_names.candidate_layers(model):
+        decision = decisions.get(id(layer))
+        if decision is not None and decision[1] == "deny":
+            continue
+        shared = [op for op in own_op_types(layer) if op in denied_ops]
+        if shared:
+            reached[layer.name] = shared
+    if not reached:
+        return
+    shared_ops = sorted({op for ops in reached.values() for op in ops})
+    warnings.warn(
+        f"Denying layers {sorted(set(denied_layers))} in a graph engine puts "
+        f"their op types {shared_ops} in the deny list, and a graph list holds "
+        "op types, not layers: these layers, not in `deny_layers`, run in "
+        f"float32 too: {sorted(reached)}. To keep one layer in float32 alone, "
+        "use engine='keras' (dtype policies), or list op types in `deny_ops` "
+        "knowingly.",
+        stacklevel=4,
+    )
 
 
 def op_placements(model, lists) -> dict:

@@ -161,8 +161,12 @@ def check_op_types(op_types, field: str) -> None:
         )
 
 
-def _own_op_types(layer) -> tuple:
-    """Return the op types of `layer` itself (its class and its activation)."""
+def own_op_types(layer) -> tuple:
+    """Return the op types of `layer` itself (its class and its activation).
+
+    Unlike `op_types_for_layer`, a layer containing layers adds nothing of
+    theirs.
+    """
     found = ()
     for cls in type(layer).__mro__:
         if cls.__name__ in LAYER_OP_TYPES:
@@ -191,7 +195,7 @@ def op_types_for_layer(layer) -> tuple:
     >>> op_types_for_layer(keras.layers.Dense(2, activation="softmax"))
     ('MatMul', 'BatchMatMulV2', 'BiasAdd', 'BiasAddGrad', 'Softmax')
     """
-    op_types = list(_own_op_types(layer))
+    op_types = list(own_op_types(layer))
     for sublayer in _compat.flatten_layers(layer):
-        op_types.extend(_own_op_types(sublayer))
+        op_types.extend(own_op_types(sublayer))
     return tuple(dict.fromkeys(op_types))

@@ -139,3 +139,39 @@ def test_given_lists_apply_from_the_first_step(tmp_path):
     events = read_jsonl(str(tmp_path))
     assert [e for e in events if e.get("direction") == "forward"] == []
     assert monitor.lists == PrecisionLists(deny_layers=("hot",))
+
+
+@pytest.mark.parametrize(
+    "scaler, found",
+    [
+        ("guard", "a loss scale fixed at 1"),
+        ("none", "optimizer Adam without a loss scaler"),
+        ("ours", None),
+        ("keras", None),
+    ],
+)
+def test_float16_without_a_moving_loss_scale_is_named_before_training(
+    tmp_path, caplog, scaler, found
+):
+    model = overflow_model("mixed_float16", scaler=scaler, hot_scale=1.0)
+    x, y = regression_data()
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[AMPMonitor(str(tmp_path))])
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if "computes in float16" in r.getMessage()
+    ]
+    if found is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and found in warnings[0]
+        assert "LossScaleOptimizer(optimizer)" in warnings[0]
+
+
+def test_bfloat16_under_the_guard_is_not_warned_of(tmp_path, caplog):
+    model = overflow_model("mixed_bfloat16", scaler="guard", hot_scale=1.0)
+    x, y = regression_data()
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[AMPMonitor(str(tmp_path))])
+    assert not any("computes in float16" in r.getMessage() for r in caplog.records)

@@ -6,6 +6,7 @@ without an optimizer, an unknown or unavailable engine, op lists with a layer
 engine, list entries naming no layer, a read interval the ring cannot cover.
 """
 
+import logging
 import math
 import numbers
 import os
@@ -13,12 +14,21 @@ import os
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks._event_log import check_writable
-from keras_amp_plus.callbacks._hardware_check import warn_once_if_bfloat16_is_slow
+from keras_amp_plus.callbacks._hardware_check import (
+    computes_in,
+    warn_once_if_bfloat16_is_slow,
+)
+from keras_amp_plus.callbacks._step_recorder import (
+    SCALER_KAP,
+    SCALER_NONE,
+    scaler_kind,
+)
 from keras_amp_plus.engines import resolve_engine
 from keras_amp_plus.engines._itex import require_itex
 from keras_amp_plus.engines._resolve import check_engine_name
 
 DEFAULT_CAPACITY = 64
+logger = logging.getLogger("keras_amp_plus")
 
 
 def check_arguments(
@@ -144,7 +154,35 @@ def check_fit_setup(monitor, model):
     engine.check_lists(monitor.lists)
     monitor.lists.matching_layers(model)
     warn_once_if_bfloat16_is_slow(model)
+    warn_if_float16_is_unscaled(model)
     return engine
+
+
+def warn_if_float16_is_unscaled(model) -> None:
+    """Log a warning when float16 layers train without a loss scale above 1.
+
+    float16 flushes gradients below about 6e-8 to zero: without a scale that
+    lifts them (no scaler, or `LossScaleOptimizer.guard()`, made for
+    bfloat16), small gradients are lost without a sign.
+    """
+    if not computes_in(model, "float16"):
+        return
+    optimizer = model.optimizer
+    kind = scaler_kind(optimizer)
+    if kind == SCALER_NONE:
+        found = f"optimizer {type(optimizer).__name__} without a loss scaler"
+    elif kind == SCALER_KAP and optimizer.max_scale <= 1:
+        found = f"a loss scale fixed at {optimizer.max_scale:g} (max_scale)"
+    else:
+        return
+    logger.warning(
+        "AMPMonitor: model %r computes in float16 with %s: gradients below "
+        "float16's smallest value (about 6e-8) become zero. Wrap the optimizer "
+        "in `keras_amp_plus.optimizers.LossScaleOptimizer(optimizer)` (dynamic "
+        "scaling); `LossScaleOptimizer.guard()` is made for bfloat16.",
+        model.name,
+        found,
+    )
 
 
 def check_read_interval(read_every: int, steps_per_execution: int, capacity: int):

@@ -16,10 +16,10 @@ logger = logging.getLogger("keras_amp_plus")
 _warned = []  # one entry once the warning was given in this process
 
 
-def computes_in_bfloat16(model) -> bool:
-    """Return True when the model or any of its layers computes in bfloat16."""
+def computes_in(model, dtype: str) -> bool:
+    """Return True when the model or any of its layers computes in `dtype`."""
     layers = [model, *layer_names.candidate_layers(model)]
-    return any(layer.dtype_policy.compute_dtype == "bfloat16" for layer in layers)
+    return any(layer.dtype_policy.compute_dtype == dtype for layer in layers)
 
 
 def warn_once_if_bfloat16_is_slow(model) -> None:
@@ -28,7 +28,7 @@ def warn_once_if_bfloat16_is_slow(model) -> None:
     Args:
         model: the Keras model about to be trained.
     """
-    if _warned or not computes_in_bfloat16(model):
+    if _warned or not computes_in(model, "bfloat16"):
         return
     outlook = _hardware.bfloat16_outlook()
     if outlook["verdict"] != "slower":

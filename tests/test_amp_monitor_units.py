@@ -12,6 +12,9 @@ from keras_amp_plus.callbacks import (
     _attribution as attribution,
 )
 from keras_amp_plus.callbacks import (
+    _distribution as distribution,
+)
+from keras_amp_plus.callbacks import (
     _event_log as event_log,
 )
 from keras_amp_plus.callbacks import (
@@ -209,3 +212,41 @@ def test_list_editor_returns_unlisted_layers_to_the_allow_list():
     back, changes = editor.apply(denied, Decision(last, "allow", "r", {}))
     assert back == PrecisionLists(allow_layers=(last,))
     assert [(c["from"], c["to"]) for c in changes] == [("deny", "allow")]
+
+
+def _forward_event(layers, reason):
+    return {
+        "direction": "forward",
+        "layers": layers,
+        "evidence": f"replay of step 3: {reason}",
+    }
+
+
+def test_workers_agree_on_the_layer_and_on_bad_data(monkeypatch):
+    # Two workers, one collective: worker 1 calls with its flags, worker 0's
+    # call then reads the OR of both (as the all-reduce gives every worker).
+    names = ["d1", "hot"]
+    worker_1 = [
+        _forward_event(["hot"], "output"),
+        _forward_event([], attribution.BAD_DATA),
+        _forward_event([], "not_reproduced"),
+    ]
+    worker_0 = [_forward_event([], "not_reproduced") for _ in range(3)]
+    flags = {}
+
+    def any_across_workers(strategy, local):
+        if "first" not in flags:
+            flags["first"] = local
+            return local
+        return local | flags["first"]
+
+    monkeypatch.setattr(distribution, "is_multi_worker", lambda strategy: True)
+    monkeypatch.setattr(distribution, "any_across_workers", any_across_workers)
+    distribution.agree_on_layers(None, worker_1, names)
+    distribution.agree_on_layers(None, worker_0, names)
+    assert [e["layers"] for e in worker_0] == [["hot"], [], []]
+    assert worker_0[0]["evidence"] == "replay of another worker's batch"
+    assert worker_0[1]["evidence"] == "replay of another worker's batch: bad_data"
+    assert worker_0[2]["evidence"] == "replay of step 3: not_reproduced"
+    # The worker whose replay found it keeps its own evidence.
+    assert worker_1[1]["evidence"] == "replay of step 3: bad_data"

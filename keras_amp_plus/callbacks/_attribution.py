@@ -30,6 +30,8 @@ import tensorflow as tf
 from keras_amp_plus import _compat
 from keras_amp_plus._lists.layer_names import layer_chains
 
+BAD_DATA = "bad_data"  # the replayed batch itself holds Inf/NaN
+
 
 class LayerIndex:
     """Layers of a model by name chain, in forward order, and variable owners.
@@ -149,7 +151,7 @@ def find_forward_overflow(model, data, layers, name=None) -> dict:
     name = name or (lambda layer: _compat.layer_path(layer) or layer.name)
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     if not _all_finite(x):
-        return {"layer": None, "reason": "bad_data"}
+        return {"layer": None, "reason": BAD_DATA}
     entered, finished = [], []
     originals = {}
 

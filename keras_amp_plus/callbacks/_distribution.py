@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_amp_plus import _compat
+from keras_amp_plus.callbacks._attribution import BAD_DATA
 
 
 def is_chief(strategy) -> bool:
@@ -60,6 +61,10 @@ def any_across_workers(strategy, flags):
 def agree_on_layers(strategy, events, layer_names):
     """Give every forward event the layers any worker's replay found.
 
+    A forward event no worker found a layer for, but whose batch held Inf or
+    NaN on some worker, says so on every worker: bad data, not an overflow
+    the replay could not reproduce.
+
     Args:
         strategy: the model's distribution strategy.
         events: this worker's attributed events of one read (the same steps
@@ -70,22 +75,33 @@ def agree_on_layers(strategy, events, layer_names):
     if not is_multi_worker(strategy) or not events:
         return events
     position = {name: i for i, name in enumerate(layer_names)}
-    found = np.zeros((len(events), len(layer_names)), dtype=bool)
+    bad_data_column = len(layer_names)
+    found = np.zeros((len(events), len(layer_names) + 1), dtype=bool)
     for row, event in enumerate(events):
         if event["direction"] == "forward":
             for layer in event["layers"]:
                 if layer in position:
                     found[row, position[layer]] = True
+            found[row, bad_data_column] = _replay_found_bad_data(event)
     agreed = any_across_workers(strategy, found)
     for row, event in enumerate(events):
+        if event["direction"] != "forward":
+            continue
         layers = [
-            name for name, hit in zip(layer_names, agreed[row], strict=True) if hit
+            name for name, hit in zip(layer_names, agreed[row, :-1], strict=True) if hit
         ]
-        if event["direction"] == "forward" and layers != event["layers"]:
+        if layers != event["layers"]:
             if not event["layers"]:
                 event["evidence"] = "replay of another worker's batch"
             event["layers"] = layers
+        elif not layers and agreed[row, -1] and not _replay_found_bad_data(event):
+            event["evidence"] = f"replay of another worker's batch: {BAD_DATA}"
     return events
+
+
+def _replay_found_bad_data(event) -> bool:
+    """Return True when this worker's replay found Inf/NaN in the batch."""
+    return f": {BAD_DATA}" in event.get("evidence", "")
 
 
 def local_replicas(strategy) -> int:

@@ -18,11 +18,14 @@ from keras_amp_plus.callbacks import (
     _event_log as event_log,
 )
 from keras_amp_plus.callbacks import (
+    _hardware_check as hardware_check,
+)
+from keras_amp_plus.callbacks import (
     _state as state,
 )
 from keras_amp_plus.callbacks._adaptation import AdaptationRule, Decision
 from keras_amp_plus.callbacks._list_editor import ListEditor
-from keras_amp_plus.engines import GrapplerEngine, KerasEngine
+from keras_amp_plus.engines import GrapplerEngine, ItexEngine, KerasEngine
 
 
 def moves(decisions):
@@ -250,3 +253,31 @@ def test_workers_agree_on_the_layer_and_on_bad_data(monkeypatch):
     assert worker_0[2]["evidence"] == "replay of step 3: not_reproduced"
     # The worker whose replay found it keeps its own evidence.
     assert worker_1[1]["evidence"] == "replay of step 3: bad_data"
+
+
+@pytest.mark.parametrize(
+    "engine, warned",
+    [
+        (GrapplerEngine(), "engine 'grappler' rewrites its ops"),
+        (ItexEngine(data_type="BFLOAT16"), "engine 'itex' rewrites its ops"),
+        (ItexEngine(data_type="FLOAT16"), None),
+        (KerasEngine(), None),
+    ],
+    ids=["grappler", "ITEX-bfloat16", "ITEX-float16", "keras"],
+)
+def test_a_graph_engines_bfloat16_is_named_where_bfloat16_is_slow(
+    monkeypatch, caplog, engine, warned
+):
+    slower = {"verdict": "slower", "reason": "bfloat16 is emulated here (test)"}
+    monkeypatch.setattr(hardware_check._hardware, "bfloat16_outlook", lambda: slower)
+    monkeypatch.setattr(hardware_check, "_warned", [])
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])  # float32
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        hardware_check.warn_once_if_bfloat16_is_slow(model, engine)
+    messages = [r.getMessage() for r in caplog.records]
+    if warned is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and warned in messages[0]
+        assert "bfloat16 is emulated here (test)" in messages[0]
+        assert "Train in float32" in messages[0]

@@ -153,7 +153,7 @@ def check_fit_setup(monitor, model):
     engine.check_available(model)
     engine.check_lists(monitor.lists)
     monitor.lists.matching_layers(model)
-    warn_once_if_bfloat16_is_slow(model)
+    warn_once_if_bfloat16_is_slow(model, engine)
     warn_if_float16_is_unscaled(model)
     return engine
 

@@ -22,22 +22,34 @@ def computes_in(model, dtype: str) -> bool:
     return any(layer.dtype_policy.compute_dtype == dtype for layer in layers)
 
 
-def warn_once_if_bfloat16_is_slow(model) -> None:
+def rewrites_to_bfloat16(engine) -> bool:
+    """Return True when a graph engine turns a float32 model's ops to bfloat16."""
+    if engine is None or engine.level != "op":
+        return False
+    return getattr(engine, "data_type", "BFLOAT16") == "BFLOAT16"
+
+
+def warn_once_if_bfloat16_is_slow(model, engine=None) -> None:
     """Log a warning (once per process) if `model` uses bfloat16 where it is slow.
 
     Args:
         model: the Keras model about to be trained.
+        engine: the resolved engine. Defaults to None. A graph engine
+            computes in bfloat16 under a float32 policy.
     """
-    if _warned or not computes_in(model, "bfloat16"):
+    by_engine = rewrites_to_bfloat16(engine)
+    if _warned or not (by_engine or computes_in(model, "bfloat16")):
         return
     outlook = _hardware.bfloat16_outlook()
     if outlook["verdict"] != "slower":
         return
     _warned.append(True)
+    how = f"engine {engine.name!r} rewrites its ops" if by_engine else "its policy"
     logger.warning(
-        "AMPMonitor: model %r computes in bfloat16, but %s: mixed_bfloat16 "
+        "AMPMonitor: model %r computes in bfloat16 (%s), but %s: bfloat16 "
         "will train slower than float32 on this machine. Train in float32 "
         "instead (`python -m keras_amp_plus doctor` explains the measurement).",
         model.name,
+        how,
         outlook["reason"],
     )

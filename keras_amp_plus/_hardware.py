@@ -151,6 +151,13 @@ def read_cpuinfo(path: str = CPUINFO_PATH) -> str | None:
         return None
 
 
+def has_xpu() -> bool:
+    """Return True when TensorFlow sees an Intel XPU (through ITEX)."""
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("XPU"))
+
+
 def has_any(features: Mapping[str, bool] | None, flags: tuple) -> bool | None:
     """Return whether any of `flags` is present, or None when features are unknown.
 

@@ -98,7 +98,7 @@ def test_forward_overflow_is_attributed_and_denied(tmp_path):
     assert [scales[step] for step in range(STEPS_PER_EPOCH)] == [
         2.0 ** (15 - step) for step in range(STEPS_PER_EPOCH)
     ]
-    # Put back at the end of epoch 0: step 9 starts from 2**15 again.
+    # Put back at the end of epoch 0 (its last step, 8): step 9 starts from it.
     assert scales[STEPS_PER_EPOCH] == 2.0**15
     assert "hot" in text_values(accumulator, "amp/lists")[-1]
     assert "| layer | hot | None | deny |" in text_values(accumulator, "amp/changes")[0]

@@ -144,7 +144,7 @@ def test_given_lists_apply_from_the_first_step(tmp_path):
 @pytest.mark.parametrize(
     "scaler, found",
     [
-        ("guard", "a loss scale fixed at 1"),
+        ("guard", "a loss scale of at most 1"),
         ("none", "optimizer Adam without a loss scaler"),
         ("ours", None),
         ("keras", None),

@@ -12,6 +12,9 @@ from keras_amp_plus.callbacks import (
     _attribution as attribution,
 )
 from keras_amp_plus.callbacks import (
+    _checks as checks,
+)
+from keras_amp_plus.callbacks import (
     _distribution as distribution,
 )
 from keras_amp_plus.callbacks import (
@@ -281,3 +284,33 @@ def test_a_graph_engines_bfloat16_is_named_where_bfloat16_is_slow(
         assert len(messages) == 1 and warned in messages[0]
         assert "bfloat16 is emulated here (test)" in messages[0]
         assert "Train in float32" in messages[0]
+
+
+@pytest.mark.parametrize(
+    "engine, warned",
+    [(ItexEngine(data_type="FLOAT16"), True), (GrapplerEngine(), False)],
+    ids=["ITEX-float16", "grappler"],
+)
+def test_a_graph_engines_float16_without_a_scaler_is_named(caplog, engine, warned):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])  # float32
+    model.compile(keras.optimizers.SGD(), loss="mse")
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        checks.warn_if_float16_is_unscaled(model, engine)
+    messages = [r.getMessage() for r in caplog.records]
+    if warned:
+        assert len(messages) == 1
+        assert "engine 'itex' rewrites its ops" in messages[0]
+        assert "optimizer SGD without a loss scaler" in messages[0]
+    else:
+        assert messages == []
+
+
+def test_the_cpus_bfloat16_verdict_is_not_given_for_an_xpu(monkeypatch, caplog):
+    slower = {"verdict": "slower", "reason": "bfloat16 is emulated here (test)"}
+    monkeypatch.setattr(hardware_check._hardware, "bfloat16_outlook", lambda: slower)
+    monkeypatch.setattr(hardware_check._hardware, "has_xpu", lambda: True)
+    monkeypatch.setattr(hardware_check, "_warned", [])
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        hardware_check.warn_once_if_bfloat16_is_slow(model, GrapplerEngine())
+    assert caplog.records == []

@@ -116,6 +116,26 @@ def test_recommend_warns_when_bfloat16_is_slower_without_hardware():
     assert advice["warnings"] == []
 
 
+@pytest.mark.parametrize(
+    "speedup, says",
+    [
+        (0.3, "but bfloat16 runs slower than float32 on this CPU"),
+        (3.6, "AMPMonitor(engine='itex') turns on its Advanced AMP"),
+    ],
+)
+def test_the_itex_note_agrees_with_the_bfloat16_verdict(speedup, says):
+    if speedup < 1:
+        flags = cpu_features.parse_cpu_flags(SKYLAKE)
+        features = cpu_features.low_precision_features(flags)
+    else:
+        features = dict.fromkeys(NO_FEATURES, True)
+    working = {"works": True, "backend": "avx512", "reason": None}
+    advice = recommend({"bfloat16": speedup}, features=features, itex_bfloat16=working)
+    itex_notes = [note for note in advice["notes"] if "ITEX" in note]
+    assert len(itex_notes) == 1 and says in itex_notes[0]
+    assert "avx512 CPU backend" in itex_notes[0]
+
+
 def test_recommend_slow_bfloat16_on_capable_cpu_blames_no_hardware():
     advice = recommend({"bfloat16": 0.5}, features=dict.fromkeys(NO_FEATURES, True))
     assert advice["policy"] == "float32"

@@ -66,7 +66,9 @@ def test_denying_matmul_changes_the_converted_nodes(lists, tmp_path):
 
     if lists.deny_layers:
         # The Dense layers' BiasAdd is also the convolution's.
-        with pytest.warns(UserWarning, match=r"run in float32 too: \['conv'\]"):
+        with pytest.warns(
+            UserWarning, match=r"in float32 too: conv \(BiasAdd, BiasAddGrad\)\."
+        ):
             engine.apply(model, lists)
     else:
         engine.apply(model, lists)  # rebuilds the train function: no manual retrace

@@ -1,3 +1,5 @@
+import warnings
+
 import keras
 import pytest
 
@@ -10,6 +12,8 @@ from keras_amp_plus._lists.list_fields import (
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.engines import ItexEngine
 from keras_amp_plus.engines._itex import itex_list_fields
+
+DENSE_OP_TYPES = ("MatMul", "BatchMatMulV2", "BiasAdd", "BiasAddGrad")
 
 
 def _model():
@@ -79,14 +83,28 @@ def test_denying_a_layer_warns_of_the_other_layers_its_op_types_reach():
     with pytest.warns(UserWarning) as record:
         op_placements(_model(), PrecisionLists(deny_layers=("head",)))
     message = str(record[0].message)
-    assert "Denying layers ['head']" in message
-    assert "'MatMul'" in message and "run in float32 too: ['d1']" in message
+    dense_ops = "MatMul, BatchMatMulV2, BiasAdd, BiasAddGrad"
+    assert f"run these ops in float32 too: d1 ({dense_ops})." in message
     assert "engine='keras'" in message
-    # The layer norm's op types run no other layer: nothing to warn of (the
-    # project's warnings are errors in this suite).
-    assert op_placements(_model(), PrecisionLists(deny_layers=("ln",)))["Mean"] == (
-        "deny"
-    )
+    assert "deny_ops=('BatchMatMulV2', 'BiasAdd', 'BiasAddGrad', 'MatMul')" in message
+    assert "Received: deny_layers=('head',)" in message
+
+
+@pytest.mark.parametrize(
+    "lists",
+    [
+        # The layer norm's op types run no other layer.
+        PrecisionLists(deny_layers=("ln",)),
+        # The shared op types placed outright: the user's own choice.
+        PrecisionLists(deny_layers=("head",), allow_ops=DENSE_OP_TYPES),
+        PrecisionLists(deny_layers=("head",), deny_ops=DENSE_OP_TYPES),
+    ],
+    ids=["unshared", "allowed_outright", "denied_outright"],
+)
+def test_denying_a_layer_warns_of_nothing_else_when_nothing_else_is_denied(lists):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        op_placements(_model(), lists)
 
 
 def test_merge_rejects_an_unknown_list():
@@ -98,7 +116,7 @@ def test_layer_entries_become_op_types_and_explicit_ops_win():
     lists = PrecisionLists(
         allow_layers=("d1",), deny_layers=("ln", "head"), allow_ops=("Softmax",)
     )
-    with pytest.warns(UserWarning, match=r"run in float32 too: \['d1'\]"):
+    with pytest.warns(UserWarning, match=r"in float32 too: d1 \(MatMul, "):
         placements = op_placements(_model(), lists)
     # d1 allows MatMul but head (also a Dense) denies it: deny wins.
     assert placements["MatMul"] == "deny"

@@ -65,12 +65,9 @@ def merge_list_fields(base, placements) -> dict:
     return {field: ",".join(names) for field, names in fields.items()}
 
 
-def _layer_placements(model, lists) -> dict:
+def _layer_placements(model, lists, decisions) -> dict:
     """Translate layer decisions to op types: deny wins over allow."""
     placements = {}
-    decisions = layer_names.layer_decisions(
-        model, lists.allow_layers, lists.deny_layers
-    )
     entries = set(lists.allow_layers) | set(lists.deny_layers)
     for layer, kind in decisions.values():
         layer_op_types = op_types_for_layer(layer)
@@ -87,21 +84,18 @@ def _layer_placements(model, lists) -> dict:
         for op_type in layer_op_types:
             if placements.get(op_type) != "deny":
                 placements[op_type] = kind
-    _warn_of_denials_reaching_other_layers(model, decisions, placements)
     return placements
 
 
-def _warn_of_denials_reaching_other_layers(model, decisions, placements) -> None:
+def _warn_of_denials_reaching_other_layers(model, lists, decisions, denied_ops):
     """Warn when a denied layer's op types also run layers not denied.
 
     A graph list holds op types, not layers: denying one Dense layer's
     MatMul denies every MatMul of the model, a quiet float32 run of layers
-    the user never listed.
+    the user never listed. `denied_ops` holds only op types denied because
+    of layer entries (an op type in `deny_ops` is the user's own choice).
     """
-    denied_layers = [layer.name for layer, kind in decisions.values() if kind == "deny"]
-    denied_ops = {op for op, kind in placements.items() if kind == "deny"}
-    if not denied_layers:
-        return
+    chains = layer_names.layer_chains(model)
     reached = {}
     for layer in layer_names.candidate_layers(model):
         decision = decisions.get(id(layer))
@@ -109,17 +103,19 @@ def _warn_of_denials_reaching_other_layers(model, decisions, placements) -> None
             continue
         shared = [op for op in own_op_types(layer) if op in denied_ops]
         if shared:
-            reached[layer.name] = shared
+            reached[chains.get(id(layer), layer.name)] = shared
     if not reached:
         return
-    shared_ops = sorted({op for ops in reached.values() for op in ops})
+    described = ", ".join(f"{name} ({', '.join(ops)})" for name, ops in reached.items())
+    shared_ops = tuple(sorted({op for ops in reached.values() for op in ops}))
     warnings.warn(
-        f"Denying layers {sorted(set(denied_layers))} in a graph engine puts "
-        f"their op types {shared_ops} in the deny list, and a graph list holds "
-        "op types, not layers: these layers, not in `deny_layers`, run in "
-        f"float32 too: {sorted(reached)}. To keep one layer in float32 alone, "
-        "use engine='keras' (dtype policies), or list op types in `deny_ops` "
-        "knowingly.",
+        "A graph engine's lists hold op types, not layers: the layers of "
+        "`deny_layers` deny their op types in every layer that runs them, so "
+        f"these layers, not in `deny_layers`, run these ops in float32 too: "
+        f"{described}. To keep only the listed layers in float32, use "
+        "engine='keras' (dtype policies); to deny these op types on purpose, "
+        f"list them in `deny_ops={shared_ops!r}`. "
+        f"Received: deny_layers={lists.deny_layers!r}",
         stacklevel=4,
     )
 
@@ -136,8 +132,17 @@ def op_placements(model, lists) -> dict:
         model: the Keras model the layer entries refer to.
         lists: a `PrecisionLists`.
     """
-    placements = _layer_placements(model, lists)
+    decisions = layer_names.layer_decisions(
+        model, lists.allow_layers, lists.deny_layers
+    )
+    placements = _layer_placements(model, lists, decisions)
+    denied_by_layers = {op for op, kind in placements.items() if kind == "deny"}
     for name in LIST_NAMES:
         for op_type in getattr(lists, f"{name}_ops"):
             placements[op_type] = name
+            denied_by_layers.discard(op_type)  # the user placed it outright
+    if denied_by_layers:
+        _warn_of_denials_reaching_other_layers(
+            model, lists, decisions, denied_by_layers
+        )
     return placements

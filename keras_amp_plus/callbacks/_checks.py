@@ -154,33 +154,42 @@ def check_fit_setup(monitor, model):
     engine.check_lists(monitor.lists)
     monitor.lists.matching_layers(model)
     warn_once_if_bfloat16_is_slow(model, engine)
-    warn_if_float16_is_unscaled(model)
+    warn_if_float16_is_unscaled(model, engine)
     return engine
 
 
-def warn_if_float16_is_unscaled(model) -> None:
+def warn_if_float16_is_unscaled(model, engine=None) -> None:
     """Log a warning when float16 layers train without a loss scale above 1.
 
     float16 flushes gradients below about 6e-8 to zero: without a scale that
     lifts them (no scaler, or `LossScaleOptimizer.guard()`, made for
     bfloat16), small gradients are lost without a sign.
+
+    Args:
+        model: the Keras model about to be trained.
+        engine: the resolved engine. Defaults to None. ITEX's FLOAT16 rewrite
+            computes in float16 under a float32 policy.
     """
-    if not computes_in(model, "float16"):
+    by_engine = getattr(engine, "level", None) == "op" and (
+        getattr(engine, "data_type", None) == "FLOAT16"
+    )
+    if not (by_engine or computes_in(model, "float16")):
         return
     optimizer = model.optimizer
     kind = scaler_kind(optimizer)
     if kind == SCALER_NONE:
         found = f"optimizer {type(optimizer).__name__} without a loss scaler"
     elif kind == SCALER_KAP and optimizer.max_scale <= 1:
-        found = f"a loss scale fixed at {optimizer.max_scale:g} (max_scale)"
+        found = f"a loss scale of at most {optimizer.max_scale:g} (max_scale)"
     else:
         return
     logger.warning(
-        "AMPMonitor: model %r computes in float16 with %s: gradients below "
-        "float16's smallest value (about 6e-8) become zero. Wrap the optimizer "
-        "in `keras_amp_plus.optimizers.LossScaleOptimizer(optimizer)` (dynamic "
-        "scaling); `LossScaleOptimizer.guard()` is made for bfloat16.",
+        "AMPMonitor: model %r computes in float16 (%s) with %s: gradients "
+        "below float16's smallest value (about 6e-8) become zero. Wrap the "
+        "optimizer in `keras_amp_plus.optimizers.LossScaleOptimizer(optimizer)` "
+        "(dynamic scaling); `LossScaleOptimizer.guard()` is made for bfloat16.",
         model.name,
+        f"engine {engine.name!r} rewrites its ops" if by_engine else "its policy",
         found,
     )
 

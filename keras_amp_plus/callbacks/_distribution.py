@@ -94,6 +94,8 @@ def agree_on_layers(strategy, events, layer_names):
             if not event["layers"]:
                 event["evidence"] = "replay of another worker's batch"
             event["layers"] = layers
+        # A worker that saw bad data while another found a layer takes the
+        # layer: the evidence that moves lists.
         elif not layers and agreed[row, -1] and not _replay_found_bad_data(event):
             event["evidence"] = f"replay of another worker's batch: {BAD_DATA}"
     return events

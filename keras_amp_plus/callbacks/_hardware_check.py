@@ -40,6 +40,8 @@ def warn_once_if_bfloat16_is_slow(model, engine=None) -> None:
     by_engine = rewrites_to_bfloat16(engine)
     if _warned or not (by_engine or computes_in(model, "bfloat16")):
         return
+    if _hardware.has_xpu():
+        return  # the verdict is the CPU's; an Intel XPU computes instead
     outlook = _hardware.bfloat16_outlook()
     if outlook["verdict"] != "slower":
         return

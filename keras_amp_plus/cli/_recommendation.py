@@ -194,6 +194,19 @@ def jit_advice(jit_probe: Mapping | None) -> tuple:
     )
 
 
+def _itex_note(itex_bfloat16: Mapping, verdict: str) -> str:
+    """Say that ITEX's bfloat16 kernels run here, and whether they pay."""
+    backend = itex_bfloat16.get("backend")
+    works = f"ITEX's bfloat16 kernels work here ({backend} CPU backend)"
+    if verdict == "slower":
+        # The kernels run, but emulated: ITEX's rewrite would slow training.
+        return (
+            f"{works}, but bfloat16 runs slower than float32 on this CPU: "
+            "AMPMonitor(engine='itex') would train slower than float32"
+        )
+    return f"{works}: AMPMonitor(engine='itex') turns on its Advanced AMP"
+
+
 def recommend(
     speedups: Mapping[str, float | None],
     features: Mapping[str, bool] | None = None,
@@ -265,10 +278,7 @@ def recommend(
         policy = "float32"
         warnings.append(_itex_warning(itex_bfloat16))
     elif itex_bfloat16 is not None:
-        notes.append(
-            f"ITEX's bfloat16 kernels work here ({itex_bfloat16.get('backend')} "
-            "CPU backend): AMPMonitor(engine='itex') turns on its Advanced AMP"
-        )
+        notes.append(_itex_note(itex_bfloat16, verdict))
     return {
         "policy": policy,
         "verdict": verdict,

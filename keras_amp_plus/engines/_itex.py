@@ -24,9 +24,8 @@ import warnings
 import weakref
 
 import keras
-import tensorflow as tf
 
-from keras_amp_plus import _compat
+from keras_amp_plus import _compat, _hardware
 from keras_amp_plus import _itex_probe as itex_probe
 from keras_amp_plus._lists.list_fields import (
     FIELD_NAMES,
@@ -152,7 +151,7 @@ def with_fused_variants(placements) -> dict:
 
 def default_data_type() -> str:
     """Return ITEX's own default: "FLOAT16" on an XPU, "BFLOAT16" on CPUs."""
-    return "FLOAT16" if tf.config.list_physical_devices("XPU") else "BFLOAT16"
+    return "FLOAT16" if _hardware.has_xpu() else "BFLOAT16"
 
 
 def require_itex():
@@ -223,7 +222,7 @@ class ItexEngine(Engine):
         """
         del model
         require_itex()
-        on_cpu = not tf.config.list_physical_devices("XPU")
+        on_cpu = not _hardware.has_xpu()
         if self.data_type == "BFLOAT16" and on_cpu:
             require_bfloat16_kernels()
 

@@ -15,7 +15,7 @@ from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks._event_log import check_writable
 from keras_amp_plus.callbacks._hardware_check import (
-    computes_in,
+    low_precision_source,
     warn_once_if_bfloat16_is_slow,
 )
 from keras_amp_plus.callbacks._step_recorder import (
@@ -170,10 +170,8 @@ def warn_if_float16_is_unscaled(model, engine=None) -> None:
         engine: the resolved engine. Defaults to None. ITEX's FLOAT16 rewrite
             computes in float16 under a float32 policy.
     """
-    by_engine = getattr(engine, "level", None) == "op" and (
-        getattr(engine, "data_type", None) == "FLOAT16"
-    )
-    if not (by_engine or computes_in(model, "float16")):
+    source = low_precision_source(model, "float16", engine)
+    if source is None:
         return
     optimizer = model.optimizer
     kind = scaler_kind(optimizer)
@@ -189,7 +187,7 @@ def warn_if_float16_is_unscaled(model, engine=None) -> None:
         "optimizer in `keras_amp_plus.optimizers.LossScaleOptimizer(optimizer)` "
         "(dynamic scaling); `LossScaleOptimizer.guard()` is made for bfloat16.",
         model.name,
-        f"engine {engine.name!r} rewrites its ops" if by_engine else "its policy",
+        source,
         found,
     )
 

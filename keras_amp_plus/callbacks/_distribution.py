@@ -88,7 +88,11 @@ def agree_on_layers(strategy, events, layer_names):
         if event["direction"] != "forward":
             continue
         layers = [
-            name for name, hit in zip(layer_names, agreed[row, :-1], strict=True) if hit
+            name
+            for name, hit in zip(
+                layer_names, agreed[row, :bad_data_column], strict=True
+            )
+            if hit
         ]
         if layers != event["layers"]:
             if not event["layers"]:
@@ -96,7 +100,11 @@ def agree_on_layers(strategy, events, layer_names):
             event["layers"] = layers
         # A worker that saw bad data while another found a layer takes the
         # layer: the evidence that moves lists.
-        elif not layers and agreed[row, -1] and not _replay_found_bad_data(event):
+        elif (
+            not layers
+            and agreed[row, bad_data_column]
+            and not _replay_found_bad_data(event)
+        ):
             event["evidence"] = f"replay of another worker's batch: {BAD_DATA}"
     return events
 

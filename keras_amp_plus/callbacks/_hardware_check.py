@@ -22,11 +22,23 @@ def computes_in(model, dtype: str) -> bool:
     return any(layer.dtype_policy.compute_dtype == dtype for layer in layers)
 
 
-def rewrites_to_bfloat16(engine) -> bool:
-    """Return True when a graph engine turns a float32 model's ops to bfloat16."""
-    if engine is None or engine.level != "op":
-        return False
-    return getattr(engine, "data_type", "BFLOAT16") == "BFLOAT16"
+def low_precision_source(model, dtype: str, engine=None) -> str | None:
+    """Say why `model` computes in `dtype`, or return None when it does not.
+
+    A graph engine (grappler, ITEX) rewrites a float32-policy model's ops to
+    its data type (grappler: bfloat16); otherwise the layers' policies decide.
+
+    Args:
+        model: the Keras model.
+        dtype: `"bfloat16"` or `"float16"`.
+        engine: the resolved engine. Defaults to None.
+    """
+    rewrite = None
+    if engine is not None and engine.level == "op":
+        rewrite = getattr(engine, "data_type", "BFLOAT16").lower()
+    if rewrite == dtype:
+        return f"engine {engine.name!r} rewrites its ops"
+    return "its policy" if computes_in(model, dtype) else None
 
 
 def warn_once_if_bfloat16_is_slow(model, engine=None) -> None:
@@ -37,8 +49,10 @@ def warn_once_if_bfloat16_is_slow(model, engine=None) -> None:
         engine: the resolved engine. Defaults to None. A graph engine
             computes in bfloat16 under a float32 policy.
     """
-    by_engine = rewrites_to_bfloat16(engine)
-    if _warned or not (by_engine or computes_in(model, "bfloat16")):
+    if _warned:
+        return
+    source = low_precision_source(model, "bfloat16", engine)
+    if source is None:
         return
     if _hardware.has_xpu():
         return  # the verdict is the CPU's; an Intel XPU computes instead
@@ -46,12 +60,11 @@ def warn_once_if_bfloat16_is_slow(model, engine=None) -> None:
     if outlook["verdict"] != "slower":
         return
     _warned.append(True)
-    how = f"engine {engine.name!r} rewrites its ops" if by_engine else "its policy"
     logger.warning(
         "AMPMonitor: model %r computes in bfloat16 (%s), but %s: bfloat16 "
         "will train slower than float32 on this machine. Train in float32 "
         "instead (`python -m keras_amp_plus doctor` explains the measurement).",
         model.name,
-        how,
+        source,
         outlook["reason"],
     )

@@ -471,6 +471,17 @@ def current_loss_scale(optimizer):
     return optimizer.loss_scale
 
 
+def fixed_loss_scale(optimizer):
+    """Return the scale of a Keras loss scaler that never moves, else None.
+
+    Keras 3's `LossScaleOptimizer` is always dynamic; Keras 2's takes
+    `dynamic=False` and then keeps `initial_scale` for every step.
+    """
+    if IS_KERAS_3 or optimizer.dynamic:
+        return None
+    return float(optimizer.initial_scale)
+
+
 def is_compiled(model) -> bool:
     """Return whether `model.compile` ran (Keras 2 keeps it private)."""
     if IS_KERAS_3:

@@ -169,6 +169,24 @@ def test_float16_without_a_moving_loss_scale_is_named_before_training(
         assert "LossScaleOptimizer(optimizer)" in warnings[0]
 
 
+def test_float16_without_a_scaler_is_named_once_per_optimizer(tmp_path, caplog):
+    model = overflow_model("mixed_float16", scaler="none", hot_scale=1.0)
+    x, y = regression_data()
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        for _ in range(2):  # a loop of fits: one warning
+            model.fit(x, y, epochs=1, verbose=0, callbacks=[AMPMonitor(str(tmp_path))])
+        model.compile(keras.optimizers.SGD(), loss="mse", auto_scale_loss=False)
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[AMPMonitor(str(tmp_path))])
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if "computes in float16" in r.getMessage()
+    ]
+    assert len(warnings) == 2
+    assert "optimizer Adam without" in warnings[0]
+    assert "optimizer SGD without" in warnings[1]
+
+
 def test_bfloat16_under_the_guard_is_not_warned_of(tmp_path, caplog):
     model = overflow_model("mixed_bfloat16", scaler="guard", hot_scale=1.0)
     x, y = regression_data()

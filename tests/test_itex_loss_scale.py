@@ -186,6 +186,47 @@ def test_float16_overflow_is_attributed_denied_and_training_recovers(
     assert summary["by_variable"]["d1/kernel"] >= STEPS_PER_EPOCH
 
 
+def _unscaled_warnings(caplog, optimizer):
+    """Return the monitor's float16-unscaled warnings for a model on `optimizer`."""
+    from keras_amp_plus.callbacks import _checks
+
+    _compat.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer, loss="mse")
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        for _ in range(2):  # as two fits check it
+            _checks.warn_if_float16_is_unscaled(model)
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "computes in float16" in r.getMessage()
+    ]
+
+
+@pytest.mark.skipif(
+    _compat.IS_KERAS_3,
+    reason="Keras 3's LossScaleOptimizer has no fixed scale (always dynamic)",
+)
+@pytest.mark.parametrize("scale, warned", [(1.0, True), (1024.0, False)])
+def test_keras2_fixed_loss_scale_of_one_under_float16_is_named(caplog, scale, warned):
+    optimizer = keras.mixed_precision.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), dynamic=False, initial_scale=scale
+    )
+    warnings = _unscaled_warnings(caplog, optimizer)
+    if warned:
+        assert len(warnings) == 1  # once per optimizer, not at every fit
+        assert "Keras's fixed loss scale of 1 (dynamic=False)" in warnings[0]
+    else:
+        assert warnings == []
+
+
+def test_keras_dynamic_loss_scale_under_float16_is_not_warned_of(caplog):
+    optimizer = _compat.KerasLossScaleOptimizer
+    if isinstance(optimizer, tuple):
+        optimizer = optimizer[0]
+    assert _unscaled_warnings(caplog, optimizer(keras.optimizers.SGD(0.1))) == []
+
+
 def test_records_and_scale_survive_a_keras_file(tmp_path):
     _compat.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d")])

@@ -10,7 +10,9 @@ import logging
 import math
 import numbers
 import os
+import weakref
 
+from keras_amp_plus import _compat
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks._event_log import check_writable
@@ -20,6 +22,7 @@ from keras_amp_plus.callbacks._hardware_check import (
 )
 from keras_amp_plus.callbacks._step_recorder import (
     SCALER_KAP,
+    SCALER_KERAS,
     SCALER_NONE,
     scaler_kind,
 )
@@ -29,6 +32,9 @@ from keras_amp_plus.engines._resolve import check_engine_name
 
 DEFAULT_CAPACITY = 64
 logger = logging.getLogger("keras_amp_plus")
+# Optimizers already warned of training float16 unscaled: once each, not at
+# every `fit` of a loop of them.
+_unscaled_warned = weakref.WeakSet()
 
 
 def check_arguments(
@@ -162,25 +168,25 @@ def warn_if_float16_is_unscaled(model, engine=None) -> None:
     """Log a warning when float16 layers train without a loss scale above 1.
 
     float16 flushes gradients below about 6e-8 to zero: without a scale that
-    lifts them (no scaler, or `LossScaleOptimizer.guard()`, made for
-    bfloat16), small gradients are lost without a sign.
+    lifts them (no scaler, `LossScaleOptimizer.guard()`, made for bfloat16,
+    or Keras 2's `dynamic=False` scaler at a scale of 1), small gradients are
+    lost without a sign. Given once per optimizer.
 
     Args:
         model: the Keras model about to be trained.
         engine: the resolved engine. Defaults to None. ITEX's FLOAT16 rewrite
             computes in float16 under a float32 policy.
     """
+    optimizer = model.optimizer
+    if optimizer in _unscaled_warned:
+        return
     source = low_precision_source(model, "float16", engine)
     if source is None:
         return
-    optimizer = model.optimizer
-    kind = scaler_kind(optimizer)
-    if kind == SCALER_NONE:
-        found = f"optimizer {type(optimizer).__name__} without a loss scaler"
-    elif kind == SCALER_KAP and optimizer.max_scale <= 1:
-        found = f"a loss scale of at most {optimizer.max_scale:g} (max_scale)"
-    else:
+    found = _unmoving_scale(optimizer)
+    if found is None:
         return
+    _unscaled_warned.add(optimizer)
     logger.warning(
         "AMPMonitor: model %r computes in float16 (%s) with %s: gradients "
         "below float16's smallest value (about 6e-8) become zero. Wrap the "
@@ -190,6 +196,20 @@ def warn_if_float16_is_unscaled(model, engine=None) -> None:
         source,
         found,
     )
+
+
+def _unmoving_scale(optimizer):
+    """Say how `optimizer` leaves float16 gradients unscaled, else None."""
+    kind = scaler_kind(optimizer)
+    if kind == SCALER_NONE:
+        return f"optimizer {type(optimizer).__name__} without a loss scaler"
+    if kind == SCALER_KAP and optimizer.max_scale <= 1:
+        return f"a loss scale of at most {optimizer.max_scale:g} (max_scale)"
+    if kind == SCALER_KERAS:
+        fixed = _compat.fixed_loss_scale(optimizer)
+        if fixed is not None and fixed <= 1:
+            return f"Keras's fixed loss scale of {fixed:g} (dynamic=False)"
+    return None
 
 
 def check_read_interval(read_every: int, steps_per_execution: int, capacity: int):

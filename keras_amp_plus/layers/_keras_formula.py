@@ -77,8 +77,10 @@ def keras_formula_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
 def formula_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """Return `(outputs, saved)`: the formula and what `formula_backward` reads.
 
-    `saved` is `(mean, inverse_stddev, empty)` in the dtype of `gamma`: three
-    tensors like the other paths' (`_size_switch`).
+    `saved` is `(mean, inverse_stddev, centered)` in the dtype of `gamma`,
+    three tensors like the other paths' (`_size_switch`); `centered`, `x -
+    mean`, is the variance's own (TensorFlow merges the two), kept for the
+    backward, which would compute it again behind the run-time switch.
     """
     x_wide = tf.cast(x, gamma.dtype)
     mean = tf.reduce_mean(x_wide, list(stat_axes), keepdims=True)
@@ -86,7 +88,7 @@ def formula_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     inverse_stddev = tf.math.rsqrt(variance + epsilon)
     inverse = inverse_stddev * gamma
     outputs = tf.cast(x_wide * inverse + (beta - mean * inverse), output_dtype)
-    return outputs, (mean, inverse_stddev, tf.zeros([0], gamma.dtype))
+    return outputs, (mean, inverse_stddev, x_wide - mean)
 
 
 def _variance_about(x, mean, axes):
@@ -126,20 +128,22 @@ def formula_backward(upstream, x, gamma, saved, epsilon, stat_axes):
     constant along.
     """
     del epsilon
-    mean, inverse_stddev, _ = saved
+    _, inverse_stddev, centered = saved
     upstream_wide = tf.cast(upstream, gamma.dtype)
-    normalized = (tf.cast(x, gamma.dtype) - mean) * inverse_stddev
     stat_axes = list(stat_axes)
     weight_axes = [axis for axis in range(x.shape.rank) if gamma.shape[axis] == 1]
     if set(stat_axes) <= set(weight_axes):
         # gamma is constant over the statistics' axes (instance norm): the
-        # per-sample means also give the weights' gradients, one pass fewer.
+        # per-sample means also give the weights' gradients, one pass fewer;
+        # and the normalized input is never formed: its per-sample factors
+        # are folded into the small coefficients of `centered`.
         upstream_mean = tf.reduce_mean(upstream_wide, stat_axes, keepdims=True)
-        projection = tf.reduce_mean(
-            upstream_wide * normalized, stat_axes, keepdims=True
+        projection = inverse_stddev * tf.reduce_mean(
+            upstream_wide * centered, stat_axes, keepdims=True
         )
-        x_grad = (inverse_stddev * gamma) * (
-            upstream_wide - upstream_mean - normalized * projection
+        scale = inverse_stddev * gamma
+        x_grad = scale * upstream_wide - (
+            centered * (scale * inverse_stddev * projection) + scale * upstream_mean
         )
         dims = tf.shape(x, out_type=tf.int64)
         count = tf.cast(tf.reduce_prod(tf.gather(dims, stat_axes)), gamma.dtype)
@@ -147,6 +151,7 @@ def formula_backward(upstream, x, gamma, saved, epsilon, stat_axes):
         gamma_grad = tf.reduce_sum(projection * count, remaining, keepdims=True)
         beta_grad = tf.reduce_sum(upstream_mean * count, remaining, keepdims=True)
         return tf.cast(x_grad, x.dtype), gamma_grad, beta_grad
+    normalized = centered * inverse_stddev
     gamma_grad = tf.reduce_sum(upstream_wide * normalized, weight_axes, keepdims=True)
     beta_grad = tf.reduce_sum(upstream_wide, weight_axes, keepdims=True)
     scaled = upstream_wide * gamma

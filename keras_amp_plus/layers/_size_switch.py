@@ -95,29 +95,46 @@ def switch_on_sample_size(x, gamma, beta, paths, forward, backward):
     [1.0, 2.0]
     """
     distinct = sorted({path for _, runs in paths for _, path in runs})
+    # One table of branches, a row per run of sample sizes and a column per
+    # run of sizes over every row's thresholds: two counts and one lookup,
+    # the fewest ops a step runs to pick its branch.
+    firsts = sorted({first for _, runs in paths for first, _ in runs[1:]})
+    table = [
+        distinct.index(_path_at(runs, size))
+        for _, runs in paths
+        for size in (1, *firsts)
+    ]
 
     def branch_of(x):
         dims = tf.shape(x, out_type=tf.int64)
         sample = tf.reduce_prod(dims[1:])
-        elements = dims[0] * sample
-        by_sample = tf.stack(
-            [_branch_at(runs, elements, distinct) for _, runs in paths]
-        )
-        return tf.gather(by_sample, _run_at(paths, sample))
+        row = _count_reached(_starts(paths), sample)
+        column = _count_reached(firsts, dims[0] * sample)
+        return tf.gather(tf.constant(table), row * (len(firsts) + 1) + column)
 
     return _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward)
 
 
-def _run_at(runs, size):
-    """Return the index of the run of `(first size, value)` pairs holding `size`."""
-    firsts = tf.constant([first for first, _ in runs[1:]], tf.int64)
+def _starts(runs):
+    """Return where the runs of `(first size, value)` pairs after the first start."""
+    return [first for first, _ in runs[1:]]
+
+
+def _count_reached(firsts, size):
+    """Return how many of the sizes `firsts` `size` reaches: its run's index."""
+    firsts = tf.constant(firsts, tf.int64)
     return tf.reduce_sum(tf.cast(size >= firsts, tf.int32))
+
+
+def _path_at(runs, size):
+    """Return the path of the run of `(first size, path)` pairs holding `size`."""
+    return [path for first, path in runs if first <= size][-1]
 
 
 def _branch_at(runs, size, distinct):
     """Return the index in `distinct` of the path of the run holding `size`."""
     branch_of_run = tf.constant([distinct.index(path) for _, path in runs])
-    return tf.gather(branch_of_run, _run_at(runs, size))
+    return tf.gather(branch_of_run, _count_reached(_starts(runs), size))
 
 
 def _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward):
@@ -160,46 +177,65 @@ def _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward):
 def _forward_branch(forward, path, x, gamma, beta, saved_shapes):
     """Return the forward branch of `path`: its output, then its `saved`.
 
-    Each saved tensor leaves the branch flat, beside its shape padded with
-    leading ones to one length: the paths' saved tensors differ in rank, and
+    Each saved tensor leaves the branch with leading axes of size one up to
+    one rank (`_shape_length`): the paths' saved tensors differ in rank, and
     the outputs of a switch whose branches differ in rank break a tape that
     differentiates its gradient again (nested tapes, as a gradient penalty
-    takes them). Tracing the branch records the static shapes in
-    `saved_shapes[path]`.
+    takes them). A tensor of that rank leaves as it is: every op here runs
+    at each step, and on small inputs the switch's own ops are a measurable
+    part of the layer's time. Tracing the branch records the static shapes
+    in `saved_shapes[path]`.
     """
     length = _shape_length(x)
 
     def branch():
         outputs, saved = forward(path, x, gamma, beta)
         saved_shapes[path] = [tensor.shape for tensor in saved]
-        flat = []
-        for tensor in saved:
-            shape = tf.shape(tensor)
-            if tensor.shape.rank is not None:
-                padding = tf.ones([length - tensor.shape.rank], shape.dtype)
-                shape = tf.concat([padding, shape], axis=0)
-            else:  # opaque (a kernel's workspace): its backward takes it flat
-                shape = tf.ones([length], shape.dtype)
-            flat += [tf.reshape(tensor, [-1]), shape]
-        return (outputs, *flat)
+        return (outputs, *(_to_rank(tensor, length) for tensor in saved))
 
     return branch
 
 
+def _to_rank(tensor, length):
+    """Return `tensor` with leading axes of size one up to rank `length`.
+
+    One of unknown rank (a kernel's workspace, read flat) leaves flat.
+    """
+    rank = tensor.shape.rank
+    if rank == length:
+        return tensor
+    if rank is None:
+        return tf.reshape(tensor, [1] * (length - 1) + [-1])
+    if tensor.shape.is_fully_defined():
+        return tf.reshape(tensor, [1] * (length - rank) + tensor.shape.as_list())
+    ones = tf.ones([length - rank], tf.int32)
+    return tf.reshape(tensor, tf.concat([ones, tf.shape(tensor)], axis=0))
+
+
+def _from_rank(tensor, static_shape):
+    """Undo `_to_rank`: the tensor of `static_shape` (flat if its rank is unknown)."""
+    rank = static_shape.rank
+    if rank is None:
+        return tf.reshape(tensor, [-1])
+    if rank < tensor.shape.rank:
+        tensor = tf.squeeze(tensor, axis=list(range(tensor.shape.rank - rank)))
+    elif tensor.shape != static_shape:
+        # A tensor of the branch's own graph: `set_shape` on the captured
+        # switch output would narrow it for the other branches too.
+        tensor = tf.identity(tensor)
+    tensor.set_shape(static_shape)
+    return tensor
+
+
 def _backward_branch(backward, path, upstream, x, gamma, saved, saved_shapes):
     """Return the backward branch of `path`: the three gradients."""
-    length = _shape_length(x)
 
     def branch():
-        shaped = []
-        for index, static_shape in enumerate(saved_shapes[path]):
-            tensor, padded_shape = saved[2 * index], saved[2 * index + 1]
-            if static_shape.rank is not None:
-                shape = padded_shape[length - static_shape.rank :]
-                tensor = tf.reshape(tensor, shape)
-                tensor.set_shape(static_shape)
-            shaped.append(tensor)
-        return tuple(backward(path, upstream, x, gamma, tuple(shaped)))
+        shaped = tuple(
+            _from_rank(tensor, static_shape)
+            for tensor, static_shape in zip(saved, saved_shapes[path], strict=True)
+        )
+        return tuple(backward(path, upstream, x, gamma, shaped))
 
     return branch
 

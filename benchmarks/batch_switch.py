@@ -7,7 +7,11 @@ batch size switches between paths at run time (`tf.switch_case` in
 switch itself costs: for each path, the layer running that path alone and the
 layer running it behind a switch to a second path no batch reaches, beside
 Keras's layer, in such a step, called interleaved as `layers.py` calls them,
-median process CPU time. The difference is the switch's cost a step.
+median process CPU time. The difference is the switch's cost a step. In the
+same rounds the layer as it chooses (its own paths by batch size, from this
+machine's cached measurements or the rules: run the doctor first) is timed in
+that step and in one traced for any image size, each against Keras's layer in
+the same kind of step.
 
 The header names the CPU; the JSON written to `benchmarks/results/` (named per
 CPU kind) carries it with every cell.
@@ -47,6 +51,8 @@ PATHS = (
     _path_choice.BATCH_NORM,
 )
 NEVER_REACHED = 2**40  # the first batch size of the switch's other branch
+# The layer as it chooses its paths, by the step kind it is traced in.
+CHOSEN = {"chosen": "tfdata", "chosen any_size": "any_size"}
 
 
 def runs_for(path, switched):
@@ -75,23 +81,33 @@ def time_cell(shape, policy, reps):
         ours, theirs, _ = build_pair("IN", shape, policy)
         dtype = keras.config.dtype_policy().compute_dtype
         variants = {}
-        for path in PATHS:
-            for switched in (False, True):
-                layer = layer_pair("IN")[0]
-                layer.build(shape)
-                layer.set_weights(ours.get_weights())
-                variants[(path, switched)] = layer
+        for key in [*((p, s) for p in PATHS for s in (False, True)), *CHOSEN]:
+            layer = layer_pair("IN")[0]
+            layer.build(shape)
+            layer.set_weights(ours.get_weights())
+            variants[key] = layer
     finally:
         keras.config.set_dtype_policy(previous)
     x, upstream = inputs_for(shape, dtype)
-    steps = {"keras": make_step(theirs, "tfdata", shape, dtype)}
+    steps = {
+        "keras": make_step(theirs, "tfdata", shape, dtype),
+        "keras any_size": make_step(theirs, "any_size", shape, dtype),
+    }
     reference = steps["keras"](x, upstream)[0]
-    for (path, switched), layer in variants.items():
+    check_close(steps["keras any_size"](x, upstream)[0], reference, dtype)
+    for key, layer in variants.items():
+        if key in CHOSEN:
+            steps[key] = make_step(layer, CHOSEN[key], shape, dtype)
+            check_close(steps[key](x, upstream)[0], reference, dtype)
+            continue
+        path, switched = key
         name = f"{path}{' switched' if switched else ''}"
         steps[name] = make_step(layer, "tfdata", shape, dtype)
         outputs = traced_with_runs(steps[name], runs_for(path, switched), x, upstream)
         check_close(outputs[0], reference, dtype)
-    medians, reps = time_interleaved(steps, (x, upstream), reps)
+    # Every round, not MAX_REPS: the switch costs tens of microseconds, a few
+    # percent of these steps, below the spread of 25 rounds.
+    medians, reps = time_interleaved(steps, (x, upstream), reps, max_reps=reps)
     keras_ms = medians["keras"]
     cells = {}
     for path in PATHS:
@@ -101,11 +117,17 @@ def time_cell(shape, policy, reps):
             "switched_ratio": switched / keras_ms,
             "switch_ms": switched - alone,
         }
+    chosen = {
+        step_kind: medians[key]
+        / medians["keras" if step_kind == "tfdata" else "keras any_size"]
+        for key, step_kind in CHOSEN.items()
+    }
     return {
         "shape": list(shape),
         "policy": policy,
         "keras_ms": keras_ms,
         "paths": cells,
+        "chosen_ratio": chosen,
         "reps": reps,
     }
 
@@ -113,7 +135,7 @@ def time_cell(shape, policy, reps):
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the smallest shape")
-    parser.add_argument("--reps", type=int, default=40, help="minimum, default 40")
+    parser.add_argument("--reps", type=int, default=600, help="rounds, default 600")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--output", type=pathlib.Path, default=None)
     return parser.parse_args()
@@ -125,8 +147,10 @@ def print_row(row):
         f" ({1e3 * c['switch_ms']:+.0f} us)"
         for path, c in row["paths"].items()
     )
+    chosen = " / ".join(f"{ratio:.2f}" for ratio in row["chosen_ratio"].values())
     print(
-        f"{row['shape']!s:<18} {row['policy']:<15} {row['keras_ms']:8.2f}  {cells}",
+        f"{row['shape']!s:<18} {row['policy']:<15} {row['keras_ms']:8.2f}  {cells}"
+        f"  chosen {chosen}",
         flush=True,
     )
 
@@ -146,7 +170,8 @@ def main():
             print_row(rows[-1])
     print(
         "(ratio = the layer's / Keras's CPU time in a step traced for any batch"
-        " size, forward + backward, median; us = the switch's cost a step)"
+        " size, forward + backward, median; us = the switch's cost a step;"
+        " chosen = the layer's own choice in that step / in one for any image size)"
     )
     print(f"wall time {time.time() - start:.0f} s")
     write_results(output, info, {"rows": rows}, reps=args.reps, quick=args.quick)

@@ -265,7 +265,7 @@ def check_close(ours_out, keras_out, dtype):
     return error
 
 
-def time_interleaved(steps, args, reps):
+def time_interleaved(steps, args, reps, max_reps=None):
     """Return ({name: median ms}, reps) of `steps(*args)`, called interleaved.
 
     Each round calls every step once, in an order shuffled per round (seeded):
@@ -273,14 +273,15 @@ def time_interleaved(steps, args, reps):
     faster than the same step elsewhere in the round on a shared 2-core
     machine, a bias an A/A control in another position does not show.
     Small cells are the noisiest: each gets at least MIN_CELL_SECONDS of
-    the slowest step, at most MAX_REPS rounds.
+    the slowest step, at most `max_reps` rounds (default MAX_REPS).
     """
     warm = []
     for step in steps.values():
         start = time.process_time()
         step(*args)
         warm.append(time.process_time() - start)
-    reps = min(max(reps, math.ceil(MIN_CELL_SECONDS / max(warm))), MAX_REPS)
+    reps = max(reps, math.ceil(MIN_CELL_SECONDS / max(warm)))
+    reps = min(reps, MAX_REPS if max_reps is None else max_reps)
     order = list(steps)
     shuffle = random.Random(0).shuffle
     times = {name: [] for name in steps}

@@ -15,6 +15,7 @@ from keras_amp_plus import _matmul_probe as matmul_probe
 from keras_amp_plus.cli import _doctor as doctor
 from keras_amp_plus.cli import _doctor_text as doctor_text
 from keras_amp_plus.cli._recommendation import recommend
+from keras_amp_plus.layers import _swish_calibration
 
 SAPPHIRE_RAPIDS = """\
 processor\t: 0
@@ -386,6 +387,15 @@ def test_swish_sigmoid_line_names_each_threshold():
     assert doctor_text._swish_sigmoid_line(
         {"measured_now": False, "cells": [], "thresholds": {}}
     ) == ("keeps the sigmoid in every precision here")
+    never = _swish_calibration.NEVER  # keeping won at the largest raced size
+    kept = {**status, "thresholds": {"float32": never, "bfloat16": 2**23}}
+    assert doctor_text._swish_sigmoid_line(kept) == (
+        "recomputes the sigmoid: bfloat16 from 8M elements; keeps it in float32 "
+        "(cached)"
+    )
+    assert doctor_text._swish_sigmoid_line(
+        {**status, "thresholds": {"float32": never}}
+    ) == ("keeps the sigmoid in every precision here (cached)")
 
 
 def test_jit_probe_measures_both_modes_and_restores_the_policy():

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import keras_amp_plus as kap
 from keras_amp_plus import _compat
+from keras_amp_plus.callbacks import _checks
 from keras_amp_plus.optimizers import LossScaleOptimizer
 
 BATCH, SAMPLES = 16, 128
@@ -188,8 +189,6 @@ def test_float16_overflow_is_attributed_denied_and_training_recovers(
 
 def _unscaled_warnings(caplog, optimizer):
     """Return the monitor's float16-unscaled warnings for a model on `optimizer`."""
-    from keras_amp_plus.callbacks import _checks
-
     _compat.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer, loss="mse")
@@ -216,6 +215,7 @@ def test_keras2_fixed_loss_scale_of_one_under_float16_is_named(caplog, scale, wa
     if warned:
         assert len(warnings) == 1  # once per optimizer, not at every fit
         assert "Keras's fixed loss scale of 1 (dynamic=False)" in warnings[0]
+        assert "or pass `dynamic=True`" in warnings[0]
     else:
         assert warnings == []
 

@@ -34,8 +34,11 @@ def _write_cells(ratios, dtype="float32"):
         ({MIB: 1.10, 2 * MIB: 1.05, 4 * MIB: 0.89, 8 * MIB: 0.72}, 4 * MIB),
         # Wins everywhere raced: the table's where that is lower, else 1M.
         ({MIB: 0.80, 2 * MIB: 0.80, 4 * MIB: 0.80, 8 * MIB: 0.80}, MIB),
-        # Keeps at the largest raced size: past it.
-        ({MIB: 0.80, 2 * MIB: 0.80, 4 * MIB: 0.80, 8 * MIB: 1.10}, 16 * MIB),
+        # Keeps at the largest raced size: never recomputes.
+        (
+            {MIB: 0.80, 2 * MIB: 0.80, 4 * MIB: 0.80, 8 * MIB: 1.10},
+            _swish_calibration.NEVER,
+        ),
         # Ties (within CLEAR_WIN) take the table's choice: 4M.
         ({MIB: 1.02, 2 * MIB: 0.99, 4 * MIB: 1.01, 8 * MIB: 0.98}, 4 * MIB),
     ),

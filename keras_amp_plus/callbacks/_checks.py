@@ -169,8 +169,8 @@ def warn_if_float16_is_unscaled(model, engine=None) -> None:
 
     float16 flushes gradients below about 6e-8 to zero: without a scale that
     lifts them (no scaler, `LossScaleOptimizer.guard()`, made for bfloat16,
-    or Keras 2's `dynamic=False` scaler at a scale of 1), small gradients are
-    lost without a sign. Given once per optimizer.
+    or Keras 2's `dynamic=False` scaler at a scale of 1 or less), small
+    gradients are lost without a sign. Given once per optimizer.
 
     Args:
         model: the Keras model about to be trained.
@@ -183,32 +183,46 @@ def warn_if_float16_is_unscaled(model, engine=None) -> None:
     source = low_precision_source(model, "float16", engine)
     if source is None:
         return
-    found = _unmoving_scale(optimizer)
-    if found is None:
+    unscaled = _unmoving_scale(optimizer)
+    if unscaled is None:
         return
     _unscaled_warned.add(optimizer)
+    found, remedy = unscaled
     logger.warning(
         "AMPMonitor: model %r computes in float16 (%s) with %s: gradients "
-        "below float16's smallest value (about 6e-8) become zero. Wrap the "
-        "optimizer in `keras_amp_plus.optimizers.LossScaleOptimizer(optimizer)` "
-        "(dynamic scaling); `LossScaleOptimizer.guard()` is made for bfloat16.",
+        "below float16's smallest value (about 6e-8) become zero. %s",
         model.name,
         source,
         found,
+        remedy,
     )
 
 
+_DYNAMIC = "`keras_amp_plus.optimizers.LossScaleOptimizer(optimizer)`"
+
+
 def _unmoving_scale(optimizer):
-    """Say how `optimizer` leaves float16 gradients unscaled, else None."""
+    """Return `(what, remedy)` where `optimizer` leaves float16 unscaled, else None."""
     kind = scaler_kind(optimizer)
     if kind == SCALER_NONE:
-        return f"optimizer {type(optimizer).__name__} without a loss scaler"
+        return (
+            f"optimizer {type(optimizer).__name__} without a loss scaler",
+            f"Wrap the optimizer in {_DYNAMIC} (dynamic scaling).",
+        )
     if kind == SCALER_KAP and optimizer.max_scale <= 1:
-        return f"a loss scale of at most {optimizer.max_scale:g} (max_scale)"
+        return (
+            f"a loss scale of at most {optimizer.max_scale:g} (max_scale)",
+            f"Wrap its inner optimizer in {_DYNAMIC} with the default scales "
+            "(dynamic scaling); `LossScaleOptimizer.guard()` is made for bfloat16.",
+        )
     if kind == SCALER_KERAS:
         fixed = _compat.fixed_loss_scale(optimizer)
         if fixed is not None and fixed <= 1:
-            return f"Keras's fixed loss scale of {fixed:g} (dynamic=False)"
+            return (
+                f"Keras's fixed loss scale of {fixed:g} (dynamic=False)",
+                f"Wrap its inner optimizer in {_DYNAMIC} instead (dynamic "
+                "scaling, every overflow recorded), or pass `dynamic=True`.",
+            )
     return None
 
 

@@ -1,6 +1,7 @@
 """Render the doctor's facts (`keras_amp_plus.cli._doctor.gather_facts`) as text."""
 
 from keras_amp_plus import _hardware, _itex_probe
+from keras_amp_plus.layers._swish_calibration import NEVER
 
 
 def _yes_no(value) -> str:
@@ -121,15 +122,21 @@ def _swish_sigmoid_line(swish: dict | None) -> str:
     unmeasured = _unmeasured_line(swish)
     if unmeasured:
         return unmeasured
-    thresholds = swish["thresholds"]
-    if not thresholds:
+    if not swish["thresholds"]:  # no precision here has a threshold
         return "keeps the sigmoid in every precision here"
-    sizes = ", ".join(
-        f"{name} from {_elements(count)}" for name, count in thresholds.items()
-    )
     when = "measured now" if swish["measured_now"] else "cached"
     when = when if swish["cells"] else "not measured: the defaults"
-    return f"recomputes the sigmoid: {sizes} elements ({when})"
+    recomputed = {
+        name: count for name, count in swish["thresholds"].items() if count < NEVER
+    }
+    if not recomputed:
+        return f"keeps the sigmoid in every precision here ({when})"
+    sizes = ", ".join(
+        f"{name} from {_elements(count)}" for name, count in recomputed.items()
+    )
+    kept = [name for name in swish["thresholds"] if name not in recomputed]
+    keeps = f"; keeps it in {', '.join(kept)}" if kept else ""
+    return f"recomputes the sigmoid: {sizes} elements{keeps} ({when})"
 
 
 def _unmeasured_line(status: dict | None) -> str | None:

@@ -59,9 +59,9 @@ def keras_formula_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
         outputs, _ = formula_forward(x, gamma, beta, epsilon, stat_axes, output_dtype)
         return outputs
 
-    # Outside XLA, the analytic backward took 2-20% less CPU time than
-    # TensorFlow's autodiff of the formula at instance-norm shapes of 0.5-4M
-    # elements in graph steps (never more than 3% more).
+    # Outside XLA, the analytic backward makes fewer passes over memory than
+    # TensorFlow's autodiff of the formula, and took less CPU time at
+    # instance-norm shapes in graph steps (`benchmarks/batch_switch.py`).
     return _saved_gradient.normalize_with(
         formula_forward,
         formula_backward,
@@ -77,10 +77,8 @@ def keras_formula_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
 def formula_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """Return `(outputs, saved)`: the formula and what `formula_backward` reads.
 
-    `saved` is `(mean, inverse_stddev, centered)` in the dtype of `gamma`,
-    three tensors like the other paths' (`_size_switch`); `centered`, `x -
-    mean`, is the variance's own (TensorFlow merges the two), kept for the
-    backward, which would compute it again behind the run-time switch.
+    `saved` is `(mean, inverse_stddev, empty)` in the dtype of `gamma`: three
+    tensors like the other paths' (`_size_switch`).
     """
     x_wide = tf.cast(x, gamma.dtype)
     mean = tf.reduce_mean(x_wide, list(stat_axes), keepdims=True)
@@ -88,7 +86,7 @@ def formula_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     inverse_stddev = tf.math.rsqrt(variance + epsilon)
     inverse = inverse_stddev * gamma
     outputs = tf.cast(x_wide * inverse + (beta - mean * inverse), output_dtype)
-    return outputs, (mean, inverse_stddev, x_wide - mean)
+    return outputs, (mean, inverse_stddev, tf.zeros([0], gamma.dtype))
 
 
 def _variance_about(x, mean, axes):
@@ -128,22 +126,26 @@ def formula_backward(upstream, x, gamma, saved, epsilon, stat_axes):
     constant along.
     """
     del epsilon
-    _, inverse_stddev, centered = saved
+    mean, inverse_stddev, _ = saved
     upstream_wide = tf.cast(upstream, gamma.dtype)
+    x_wide = tf.cast(x, gamma.dtype)
     stat_axes = list(stat_axes)
     weight_axes = [axis for axis in range(x.shape.rank) if gamma.shape[axis] == 1]
     if set(stat_axes) <= set(weight_axes):
         # gamma is constant over the statistics' axes (instance norm): the
-        # per-sample means also give the weights' gradients, one pass fewer;
-        # and the normalized input is never formed: its per-sample factors
-        # are folded into the small coefficients of `centered`.
+        # per-sample means also give the weights' gradients, one pass fewer.
+        # Neither `x - mean` nor the normalized input is formed: their
+        # per-sample factors fold into small coefficients of `x`, which
+        # cancel for inputs far from zero as the forward's do.
         upstream_mean = tf.reduce_mean(upstream_wide, stat_axes, keepdims=True)
-        projection = inverse_stddev * tf.reduce_mean(
-            upstream_wide * centered, stat_axes, keepdims=True
+        projection = inverse_stddev * (
+            tf.reduce_mean(upstream_wide * x_wide, stat_axes, keepdims=True)
+            - mean * upstream_mean
         )
         scale = inverse_stddev * gamma
+        coefficient = scale * inverse_stddev * projection
         x_grad = scale * upstream_wide - (
-            centered * (scale * inverse_stddev * projection) + scale * upstream_mean
+            x_wide * coefficient + (scale * upstream_mean - mean * coefficient)
         )
         dims = tf.shape(x, out_type=tf.int64)
         count = tf.cast(tf.reduce_prod(tf.gather(dims, stat_axes)), gamma.dtype)
@@ -151,7 +153,7 @@ def formula_backward(upstream, x, gamma, saved, epsilon, stat_axes):
         gamma_grad = tf.reduce_sum(projection * count, remaining, keepdims=True)
         beta_grad = tf.reduce_sum(upstream_mean * count, remaining, keepdims=True)
         return tf.cast(x_grad, x.dtype), gamma_grad, beta_grad
-    normalized = centered * inverse_stddev
+    normalized = (x_wide - mean) * inverse_stddev
     gamma_grad = tf.reduce_sum(upstream_wide * normalized, weight_axes, keepdims=True)
     beta_grad = tf.reduce_sum(upstream_wide, weight_axes, keepdims=True)
     scaled = upstream_wide * gamma

@@ -95,15 +95,7 @@ def switch_on_sample_size(x, gamma, beta, paths, forward, backward):
     [1.0, 2.0]
     """
     distinct = sorted({path for _, runs in paths for _, path in runs})
-    # One table of branches, a row per run of sample sizes and a column per
-    # run of sizes over every row's thresholds: two counts and one lookup,
-    # the fewest ops a step runs to pick its branch.
-    firsts = sorted({first for _, runs in paths for first, _ in runs[1:]})
-    table = [
-        distinct.index(_path_at(runs, size))
-        for _, runs in paths
-        for size in (1, *firsts)
-    ]
+    firsts, table = _branch_table(paths, distinct)
 
     def branch_of(x):
         dims = tf.shape(x, out_type=tf.int64)
@@ -113,6 +105,23 @@ def switch_on_sample_size(x, gamma, beta, paths, forward, backward):
         return tf.gather(tf.constant(table), row * (len(firsts) + 1) + column)
 
     return _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward)
+
+
+def _branch_table(paths, distinct):
+    """Return `(firsts, table)`: each sample-size run's branch by size.
+
+    A row per run of sample sizes, a column per run of input sizes over
+    every row's thresholds (`firsts`, after 1), flat: two counts and one
+    lookup pick a step's branch, the fewest ops the switch runs at each
+    step.
+    """
+    firsts = sorted({first for _, runs in paths for first in _starts(runs)})
+    table = [
+        distinct.index(_path_at(runs, size))
+        for _, runs in paths
+        for size in (1, *firsts)
+    ]
+    return firsts, table
 
 
 def _starts(runs):
@@ -178,7 +187,7 @@ def _forward_branch(forward, path, x, gamma, beta, saved_shapes):
     """Return the forward branch of `path`: its output, then its `saved`.
 
     Each saved tensor leaves the branch with leading axes of size one up to
-    one rank (`_shape_length`): the paths' saved tensors differ in rank, and
+    one rank (`_saved_rank`): the paths' saved tensors differ in rank, and
     the outputs of a switch whose branches differ in rank break a tape that
     differentiates its gradient again (nested tapes, as a gradient penalty
     takes them). A tensor of that rank leaves as it is: every op here runs
@@ -186,40 +195,49 @@ def _forward_branch(forward, path, x, gamma, beta, saved_shapes):
     part of the layer's time. Tracing the branch records the static shapes
     in `saved_shapes[path]`.
     """
-    length = _shape_length(x)
+    rank = _saved_rank(x)
 
     def branch():
         outputs, saved = forward(path, x, gamma, beta)
         saved_shapes[path] = [tensor.shape for tensor in saved]
-        return (outputs, *(_to_rank(tensor, length) for tensor in saved))
+        return (outputs, *(_to_rank(tensor, rank) for tensor in saved))
 
     return branch
 
 
-def _to_rank(tensor, length):
-    """Return `tensor` with leading axes of size one up to rank `length`.
+def _to_rank(tensor, rank):
+    """Return `tensor` with leading axes of size one up to `rank`.
 
-    One of unknown rank (a kernel's workspace, read flat) leaves flat.
+    One of unknown rank (a kernel's workspace, read flat) leaves flat in its
+    last axis.
     """
-    rank = tensor.shape.rank
-    if rank == length:
+    own = tensor.shape.rank
+    if own == rank:
         return tensor
-    if rank is None:
-        return tf.reshape(tensor, [1] * (length - 1) + [-1])
+    if own is None:
+        return tf.reshape(tensor, [1] * (rank - 1) + [-1])
+    if own > rank:
+        raise ValueError(
+            "A normalization path saved a tensor of higher rank than the "
+            f"switch passes on ({rank}): raise `_saved_rank`. "
+            f"Received: shape={tensor.shape}"
+        )
     if tensor.shape.is_fully_defined():
-        return tf.reshape(tensor, [1] * (length - rank) + tensor.shape.as_list())
-    ones = tf.ones([length - rank], tf.int32)
+        return tf.reshape(tensor, [1] * (rank - own) + tensor.shape.as_list())
+    ones = tf.ones([rank - own], tf.int32)
     return tf.reshape(tensor, tf.concat([ones, tf.shape(tensor)], axis=0))
 
 
 def _from_rank(tensor, static_shape):
     """Undo `_to_rank`: the tensor of `static_shape` (flat if its rank is unknown)."""
-    rank = static_shape.rank
-    if rank is None:
+    if static_shape.rank is None:
         return tf.reshape(tensor, [-1])
-    if rank < tensor.shape.rank:
-        tensor = tf.squeeze(tensor, axis=list(range(tensor.shape.rank - rank)))
-    elif tensor.shape != static_shape:
+    if tensor.shape == static_shape:
+        return tensor
+    if static_shape.rank < tensor.shape.rank:
+        leading = tensor.shape.rank - static_shape.rank
+        tensor = tf.squeeze(tensor, axis=list(range(leading)))
+    else:
         # A tensor of the branch's own graph: `set_shape` on the captured
         # switch output would narrow it for the other branches too.
         tensor = tf.identity(tensor)
@@ -265,7 +283,7 @@ def _refuse_second_order(paths):
     return second_order
 
 
-def _shape_length(x):
-    """Return the length the saved tensors' shapes are padded to."""
+def _saved_rank(x):
+    """Return the rank every saved tensor leaves a forward branch with."""
     # Every path saves tensors of x's rank at most (rank 2 inputs: 2).
     return max(x.shape.rank, 2)

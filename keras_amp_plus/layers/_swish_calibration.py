@@ -31,6 +31,9 @@ CLEAR_WIN = 0.95
 # Part of the cache file's name: raise it when either raced form or the way
 # they are timed changes.
 REVISION = 2
+# The threshold of a precision whose sigmoid is kept at every size: more
+# elements than any tensor holds.
+NEVER = 2**62
 
 
 def cache_path() -> str:
@@ -48,9 +51,11 @@ def recompute_threshold(dtype_name: str, default: int) -> int:
 
     The smallest raced size from which recomputing won at every raced size
     above it; below the smallest raced size the table's `default` where
-    recomputing won from there; past the largest raced size where keeping
-    won there. A size where neither form won by `CLEAR_WIN` takes the
-    table's choice.
+    recomputing won from there; `NEVER` where keeping won at the largest
+    raced size (the trend goes on past it: on an Intel Xeon with oneDNN
+    off, keeping won at the largest raced size and by more at four times
+    it). A size where neither form won by `CLEAR_WIN` takes the table's
+    choice.
 
     Args:
         dtype_name: the input's dtype name, a key of
@@ -77,7 +82,7 @@ def recompute_threshold(dtype_name: str, default: int) -> int:
             break
         threshold = cell["elements"]
     if threshold is None:
-        return max(default, 2 * cells[-1]["elements"])
+        return NEVER
     if threshold == cells[0]["elements"]:
         return min(default, threshold)
     return threshold

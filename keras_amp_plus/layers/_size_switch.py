@@ -56,9 +56,11 @@ def switch_on_batch_size(x, gamma, beta, paths, forward, backward):
     [1.0, 2.0]
     """
     distinct = sorted({path for _, path in paths})
+    firsts, table = _branch_table(((1, paths),), distinct)  # one row
 
     def branch_of(x):
-        return _branch_at(paths, tf.shape(x, out_type=tf.int64)[0], distinct)
+        batch = tf.shape(x, out_type=tf.int64)[0]
+        return tf.gather(tf.constant(table), _count_reached(firsts, batch))
 
     return _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward)
 
@@ -138,12 +140,6 @@ def _count_reached(firsts, size):
 def _path_at(runs, size):
     """Return the path of the run of `(first size, path)` pairs holding `size`."""
     return [path for first, path in runs if first <= size][-1]
-
-
-def _branch_at(runs, size, distinct):
-    """Return the index in `distinct` of the path of the run holding `size`."""
-    branch_of_run = tf.constant([distinct.index(path) for _, path in runs])
-    return tf.gather(branch_of_run, _count_reached(_starts(runs), size))
 
 
 def _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward):

@@ -41,7 +41,7 @@ BENCHMARKS := benchmarks/layers.py benchmarks/paths.py benchmarks/variable_lengt
 	benchmarks/batch_switch.py \
 	benchmarks/cpu_allocator.py benchmarks/training.py benchmarks/loss_scale.py \
 	benchmarks/finite_flags.py benchmarks/fused_update.py benchmarks/monitor.py \
-	benchmarks/moments_gradient.py benchmarks/in_xla_layout.py benchmarks/swish_xla.py
+	benchmarks/moments_gradient.py benchmarks/in_xla_sums.py benchmarks/swish_xla.py
 
 # The whole tests/ directory: conftest.py skips, with the reason, every module
 # written against Keras 3 APIs, so what runs is the test_itex_* suite.
@@ -56,7 +56,7 @@ bench: $(PY)
 	$(PY) benchmarks/layers.py --control --floor
 	$(PY) benchmarks/paths.py --layers IN LN
 	$(PY) benchmarks/moments_gradient.py
-	$(PY) benchmarks/in_xla_layout.py
+	$(PY) benchmarks/in_xla_sums.py
 	$(PY) benchmarks/swish_xla.py
 	$(PY) benchmarks/variable_length.py
 	$(PY) benchmarks/batch_switch.py

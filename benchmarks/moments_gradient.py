@@ -1,16 +1,15 @@
 """Instance norm's formula inside XLA: `tf.nn.moments` vs a variance of its own.
 
-Inside a step XLA compiles whole, InstanceNormalization runs Keras's formula and
-autodiff of it is the layer's gradient. `tf.nn.moments` (what Keras's layers
-call) stops the mean's gradient inside the variance, which breaks the
-second-order gradient; the layer's formula (`_keras_formula.formula_forward`)
-gives the variance its own gradient instead. This script times one forward +
+Inside a step XLA compiles whole, normalizations other than instance norm
+channels last run Keras's formula and autodiff of it is the layer's gradient.
+`tf.nn.moments` (what Keras's layers call) stops the mean's gradient inside
+the variance, which breaks the second-order gradient; the layer's formula
+(`_keras_formula.formula_forward`) gives the variance its own gradient
+instead. This script times one forward +
 backward step (`jit_compile=True`, gradients w.r.t. the input and both
 weights) of each, interleaved in an order shuffled each round, median process
 CPU time, at instance-norm shapes of the layer grid in float32, bfloat16 and
-float16 (where both take Keras's `(..., channels, 1)` group layout, as the
-layer does there: `_keras_formula._in_group_layout`), prints a table and
-writes JSON named per CPU kind.
+float16, prints a table and writes JSON named per CPU kind.
 
 Usage: python benchmarks/moments_gradient.py [--quick] [--reps N] [--output PATH]
 """
@@ -38,8 +37,6 @@ STAT_AXES = (1, 2)
 
 def moments_formula(x, gamma, beta, epsilon):
     """Keras's formula with `tf.nn.moments`, as Keras's own layers take it."""
-    if x.dtype == tf.float16:
-        return keras_group_formula(x, gamma, beta, epsilon)
     x_wide = tf.cast(x, gamma.dtype)
     mean, variance = tf.nn.moments(x_wide, list(STAT_AXES), keepdims=True)
     inverse = tf.math.rsqrt(variance + epsilon) * gamma
@@ -58,10 +55,11 @@ def keras_group_formula(x, gamma, beta, epsilon):
 
 
 def layer_formula(x, gamma, beta, epsilon):
-    """The layer's formula inside XLA (its variance differentiable twice)."""
-    return _keras_formula.keras_formula_normalize(
+    """The layer's formula, autodiff of it (its variance differentiable twice)."""
+    outputs, _ = _keras_formula.formula_forward(
         x, gamma, beta, epsilon, STAT_AXES, x.dtype
     )
+    return outputs
 
 
 def xla_step(formula, gamma, beta):

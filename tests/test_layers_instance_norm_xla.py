@@ -31,35 +31,38 @@ def _optimized_hlo(layer, dtype, any_batch):
     return step.experimental_get_compiler_ir(x, upstream)("optimized_hlo")
 
 
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+
+
 @pytest.mark.parametrize("any_batch", (False, True))
-def test_float16_inside_xla_takes_keras_group_layout(any_batch):
-    # The plain layout compiled to a program up to 1.4x slower than Keras's
-    # layer in float16; Keras's (..., channels, 1) layout compiles to Keras's
-    # program but for the variance's gradient (as fast: 0.997-1.002x it,
-    # `benchmarks/moments_gradient.py`). The same sums as Keras's program.
-    use_policy("mixed_float16")
-    ours = _optimized_hlo(layers.InstanceNormalization(), "float16", any_batch)
-    keras_own = _optimized_hlo(
-        keras.layers.GroupNormalization(groups=-1), "float16", any_batch
-    )
-    assert "f32[4,8,8,16,1]" in ours
-    assert _reductions(ours) == _reductions(keras_own)
-
-
-def _reductions(hlo):
-    """Return the sorted reduce instructions of `hlo`, names stripped."""
+@pytest.mark.parametrize("policy_name", POLICIES)
+def test_inside_xla_the_sums_are_batched_matrix_products(policy_name, any_batch):
+    # XLA's CPU backend runs a reduction fused with the elementwise ops that
+    # feed it as a scalar loop; Keras's program sums that way. The layer's
+    # four per-sample sums (mean and variance forward, two backward) are one
+    # batched dot each, and only the weights' gradients, sums of those
+    # (N, C) sums over the batch, are reductions.
+    compute = use_policy(policy_name).compute_dtype
+    hlo = _optimized_hlo(layers.InstanceNormalization(), compute, any_batch)
     lines = hlo_without_names(hlo).splitlines()
-    reductions = (line.split("=", 1)[1] for line in lines if " reduce(" in line)
-    # The reducer's name (`to_apply=`) is numbered per program.
-    return sorted(line.split(", to_apply")[0] for line in reductions)
+    dots = [line for line in lines if " dot(" in line]
+    assert len(dots) == 4
+    assert all("f32[4,16]" in line and "lhs_batch_dims={0}" in line for line in dots)
+    reductions = [line for line in lines if " reduce(" in line]
+    assert len(reductions) == 2
+    assert all("dimensions={0}" in line for line in reductions)
+    keras_own = _optimized_hlo(
+        keras.layers.GroupNormalization(groups=-1), compute, any_batch
+    )
+    assert " dot(" not in keras_own
 
 
-@pytest.mark.parametrize("policy_name", ("mixed_float16", "mixed_bfloat16", "float32"))
+@pytest.mark.parametrize("policy_name", POLICIES)
 def test_inside_xla_differentiates_twice_like_float64(policy_name):
     # A gradient penalty through a model compiled with jit_compile=True:
     # `tf.nn.moments` (Keras's layers) stops the mean's gradient inside the
-    # variance and autodiff of the gradient drops a term; every layout the
-    # layer takes inside XLA carries the variance's gradient instead.
+    # variance and autodiff of the gradient drops a term. The layer's own
+    # gradient is differentiable itself, its variance included.
     compute = use_policy(policy_name).compute_dtype
     layer = layers.InstanceNormalization()
     shape, params = (2, 4, 4, 4), (1, 1, 1, 4)
@@ -81,23 +84,14 @@ def test_inside_xla_differentiates_twice_like_float64(policy_name):
     np.testing.assert_allclose(as_float64(second), expected, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("policy_name", ("float32", "mixed_bfloat16"))
-def test_float32_and_bfloat16_inside_xla_keep_the_plain_layout(policy_name):
-    # There the plain layout ran as fast (bfloat16) or 10-23% faster (float32).
-    compute = use_policy(policy_name).compute_dtype
-    hlo = _optimized_hlo(layers.InstanceNormalization(), compute, any_batch=False)
-    assert "f32[4,8,8,16]" in hlo
-    assert "f32[4,8,8,16,1]" not in hlo
-
-
 class _InXlaStep:
     """The layer called inside a `jit_compile=True` function, as a model calls it."""
 
-    def __init__(self, layer, any_batch):
+    def __init__(self, layer, shape, any_batch):
         self.inner = layer
         signature = None
         if any_batch:
-            signature = [tf.TensorSpec((None, *SHAPE[1:]), layer.compute_dtype)]
+            signature = [tf.TensorSpec((None, *shape[1:]), layer.compute_dtype)]
         self.call_in_step = tf.function(
             lambda x: layer(x), jit_compile=True, input_signature=signature
         )
@@ -111,7 +105,23 @@ class _InXlaStep:
 
 @pytest.mark.parametrize("any_batch", (False, True))
 @pytest.mark.parametrize("mean", (0.0, 100.0))
-def test_float16_inside_xla_matches_float64(mean, any_batch):
-    policy = use_policy("mixed_float16")
-    layer = _InXlaStep(layers.InstanceNormalization(), any_batch)
+@pytest.mark.parametrize("policy_name", POLICIES)
+def test_inside_xla_matches_float64(policy_name, mean, any_batch):
+    policy = use_policy(policy_name)
+    layer = _InXlaStep(layers.InstanceNormalization(), SHAPE, any_batch)
     check_normalization(layer, SHAPE, mean, policy, (1, 2), (1, 1, 1, 16))
+
+
+@pytest.mark.parametrize(
+    "shape, axis, stat_axes, param_shape",
+    (
+        ((3, 10, 6), -1, (1,), (1, 1, 6)),  # sequences, channels last
+        ((2, 4, 5, 3, 6), -1, (1, 2, 3), (1, 1, 1, 1, 6)),  # volumes
+        ((2, 6, 5, 4), 1, (2, 3), (1, 6, 1, 1)),  # channels first: autodiff
+    ),
+    ids=("rank3", "rank5", "channels_first"),
+)
+def test_other_layouts_inside_xla_match_float64(shape, axis, stat_axes, param_shape):
+    policy = use_policy("mixed_bfloat16")
+    layer = _InXlaStep(layers.InstanceNormalization(axis=axis), shape, True)
+    check_normalization(layer, shape, 100.0, policy, stat_axes, param_shape)

@@ -4,33 +4,28 @@ Where the fused kernels do not beat Keras's layers (see `_path_choice`), the
 layers run Keras's own formula, `x * inv + (beta - mean * inv)` with `inv =
 rsqrt(variance + epsilon) * gamma` (a mean, a variance that carries its own
 gradient (`_variance_about`), elementwise ops).
-Inside an XLA-compiled model XLA fuses it and TensorFlow's autodiff of it
-with its neighbours, which is what makes Keras's layers fast there; the form
-matters there: the mathematically equal `(x - mean) * inv + beta` keeps one
-more full-size tensor for autodiff and ran slower.
-Outside XLA its gradient is the analytic one (`formula_backward`), fewer
-passes over memory than autodiff's. Unlike
-Keras's layers, the statistics are computed in the dtype of `gamma` (float32
-or float64) whatever the input dtype. As in Keras's layers, `x * inv` and
-`mean * inv` cancel for inputs far from zero: relative to the output, about
-`|mean| / stddev` float32 roundings, below one bfloat16 or float16 rounding
-unless the mean exceeds the standard deviation ~1000-fold.
-
-Inside XLA, a float16 instance norm (statistics over the middle axes of a
-channels-last input) takes Keras's own layout, `GroupNormalization`'s
-`(..., channels, 1)` groups: XLA fuses the float16 formula on the plain layout
-into a program that ran up to 1.4x Keras's layer on a CPU without AVX512-FP16,
-while Keras's layout compiles to Keras's program (with the variance's own
-gradient: as fast, `benchmarks/moments_gradient.py`). For float32 the plain
-layout was faster, and for bfloat16 as fast or faster, also on an Intel Xeon
-without bfloat16 arithmetic, where the two layouts ran even
-(`benchmarks/in_xla_layout.py`).
+Its gradient is the analytic one (`formula_backward`), fewer passes over
+memory than TensorFlow's autodiff of the formula, except inside an
+XLA-compiled model for layouts other than instance norm channels last: there
+XLA fuses autodiff of the formula with its neighbours, and the form
+matters: the mathematically equal `(x - mean) * inv + beta` keeps one more
+full-size tensor for autodiff and ran slower.
+Inside XLA, instance norm channels last takes its means as batched matrix
+products (`_product_means`), which XLA's CPU backend runs several times
+faster than the reductions it fuses (Keras's own program sums that way).
+Unlike Keras's layers, the statistics are computed in the dtype of `gamma`
+(float32 or float64) whatever the input dtype. As in Keras's layers, `x *
+inv` and `mean * inv` cancel for inputs far from zero: relative to the
+output, about `|mean| / stddev` float32 roundings, below one bfloat16 or
+float16 rounding unless the mean exceeds the standard deviation ~1000-fold.
 """
+
+import functools
 
 import tensorflow as tf
 
 from keras_amp_plus import _compat
-from keras_amp_plus.layers import _saved_gradient
+from keras_amp_plus.layers import _product_means, _saved_gradient
 
 
 def keras_formula_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
@@ -52,44 +47,46 @@ def keras_formula_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     >>> [round(float(v), 2) for v in out[0]]
     [-1.22, 0.0, 1.22]
     """
-    if _takes_keras_group_layout(x, stat_axes):
-        return _in_group_layout(x, gamma, beta, epsilon, stat_axes, output_dtype)
+    forward, backward = formula_forward, formula_backward
     if _compat.in_xla_compiled_function():
-        # Autodiff of the formula is what XLA fuses with its neighbours.
-        outputs, _ = formula_forward(x, gamma, beta, epsilon, stat_axes, output_dtype)
-        return outputs
-
-    # Outside XLA, the analytic backward makes fewer passes over memory than
-    # TensorFlow's autodiff of the formula, and took less CPU time at
-    # instance-norm shapes in graph steps (`benchmarks/batch_switch.py`).
+        if not _product_means.applies(x, stat_axes):
+            # Autodiff of the formula is what XLA fuses with its neighbours.
+            outputs, _ = forward(x, gamma, beta, epsilon, stat_axes, output_dtype)
+            return outputs
+        forward, backward = _FORWARD_BY_PRODUCTS, _BACKWARD_BY_PRODUCTS
+    # The analytic backward makes fewer passes over memory than TensorFlow's
+    # autodiff of the formula, and took less CPU time at instance-norm shapes
+    # in graph steps (`benchmarks/batch_switch.py`) and inside XLA
+    # (`benchmarks/in_xla_sums.py`).
     return _saved_gradient.normalize_with(
-        formula_forward,
-        formula_backward,
-        x,
-        gamma,
-        beta,
-        epsilon,
-        stat_axes,
-        output_dtype,
+        forward, backward, x, gamma, beta, epsilon, stat_axes, output_dtype
     )
 
 
-def formula_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
+def _reduced_mean(t, stat_axes):
+    """Return the mean of `t` over `stat_axes` (kept), by a reduction."""
+    return tf.reduce_mean(t, list(stat_axes), keepdims=True)
+
+
+def formula_forward(
+    x, gamma, beta, epsilon, stat_axes, output_dtype, mean_of=_reduced_mean
+):
     """Return `(outputs, saved)`: the formula and what `formula_backward` reads.
 
     `saved` is `(mean, inverse_stddev, empty)` in the dtype of `gamma`: three
-    tensors like the other paths' (`_size_switch`).
+    tensors like the other paths' (`_size_switch`). `mean_of(t, stat_axes)`
+    takes the means (kept axes): a reduction, or `_product_means.middle_mean`.
     """
     x_wide = tf.cast(x, gamma.dtype)
-    mean = tf.reduce_mean(x_wide, list(stat_axes), keepdims=True)
-    variance = _variance_about(x_wide, mean, list(stat_axes))
+    mean = mean_of(x_wide, stat_axes)
+    variance = _variance_about(x_wide, mean, stat_axes, mean_of)
     inverse_stddev = tf.math.rsqrt(variance + epsilon)
     inverse = inverse_stddev * gamma
     outputs = tf.cast(x_wide * inverse + (beta - mean * inverse), output_dtype)
     return outputs, (mean, inverse_stddev, tf.zeros([0], gamma.dtype))
 
 
-def _variance_about(x, mean, axes):
+def _variance_about(x, mean, axes, mean_of):
     """Return the mean of `(x - mean)**2` over `axes`, differentiable twice.
 
     `tf.nn.moments` stops the mean's gradient inside the variance. The
@@ -111,12 +108,14 @@ def _variance_about(x, mean, axes):
         def grad(upstream):
             return upstream * (2.0 / count) * centered, tf.zeros_like(mean)
 
-        return tf.reduce_mean(tf.square(centered), axes, keepdims=True), grad
+        return mean_of(tf.square(centered), axes), grad
 
     return variance(x, mean)
 
 
-def formula_backward(upstream, x, gamma, saved, epsilon, stat_axes):
+def formula_backward(
+    upstream, x, gamma, saved, epsilon, stat_axes, mean_of=_reduced_mean
+):
     """Return the gradients w.r.t. (x, gamma, beta) of `formula_forward`.
 
     The analytic gradient of a normalization (what autodiff of the formula
@@ -137,10 +136,9 @@ def formula_backward(upstream, x, gamma, saved, epsilon, stat_axes):
         # Neither `x - mean` nor the normalized input is formed: their
         # per-sample factors fold into small coefficients of `x`, which
         # cancel for inputs far from zero as the forward's do.
-        upstream_mean = tf.reduce_mean(upstream_wide, stat_axes, keepdims=True)
+        upstream_mean = mean_of(upstream_wide, stat_axes)
         projection = inverse_stddev * (
-            tf.reduce_mean(upstream_wide * x_wide, stat_axes, keepdims=True)
-            - mean * upstream_mean
+            mean_of(upstream_wide * x_wide, stat_axes) - mean * upstream_mean
         )
         scale = inverse_stddev * gamma
         coefficient = scale * inverse_stddev * projection
@@ -157,38 +155,15 @@ def formula_backward(upstream, x, gamma, saved, epsilon, stat_axes):
     gamma_grad = tf.reduce_sum(upstream_wide * normalized, weight_axes, keepdims=True)
     beta_grad = tf.reduce_sum(upstream_wide, weight_axes, keepdims=True)
     scaled = upstream_wide * gamma
-    scaled_mean = tf.reduce_mean(scaled, stat_axes, keepdims=True)
-    projection = tf.reduce_mean(scaled * normalized, stat_axes, keepdims=True)
+    scaled_mean = mean_of(scaled, stat_axes)
+    projection = mean_of(scaled * normalized, stat_axes)
     x_grad = inverse_stddev * (scaled - scaled_mean - normalized * projection)
     return tf.cast(x_grad, x.dtype), gamma_grad, beta_grad
 
 
-def _takes_keras_group_layout(x, stat_axes) -> bool:
-    """Return True for a float16 channels-last instance norm inside XLA."""
-    rank = x.shape.rank
-    return (
-        x.dtype == tf.float16
-        and rank >= 3
-        and tuple(stat_axes) == tuple(range(1, rank - 1))
-        and _compat.in_xla_compiled_function()
-    )
-
-
-def _in_group_layout(x, gamma, beta, epsilon, stat_axes, output_dtype):
-    """Run the formula on `x` viewed as Keras's `(..., channels, 1)` groups.
-
-    Written as `GroupNormalization` writes it, in its order (reshape, cast,
-    `-mean * inv + beta`, cast, reshape back), so that XLA compiles Keras's
-    program, but for the variance, which carries its own gradient
-    (`_variance_about`) where `tf.nn.moments` would break the second-order
-    gradient.
-    """
-    shape = tf.shape(x)
-    grouped = tf.cast(tf.reshape(x, tf.concat([shape, [1]], axis=0)), gamma.dtype)
-    axes = [*stat_axes, x.shape.rank]
-    mean = tf.reduce_mean(grouped, axes, keepdims=True)
-    variance = _variance_about(grouped, mean, axes)
-    inverse = tf.math.rsqrt(variance + epsilon) * gamma[..., tf.newaxis]
-    shift = -mean * inverse + beta[..., tf.newaxis]
-    outputs = tf.cast(grouped * inverse + shift, output_dtype)
-    return tf.reshape(outputs, shape)
+_FORWARD_BY_PRODUCTS = functools.partial(
+    formula_forward, mean_of=_product_means.middle_mean
+)
+_BACKWARD_BY_PRODUCTS = functools.partial(
+    formula_backward, mean_of=_product_means.middle_mean
+)

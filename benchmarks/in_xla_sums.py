@@ -1,0 +1,89 @@
+"""Instance norm inside XLA: sums as fused reductions vs batched matrix products.
+
+Inside a step XLA compiles whole, InstanceNormalization channels last takes
+its per-sample means as batched matrix products with a ones row
+(`_product_means`) and its analytic gradient (`_keras_formula`), where
+Keras's `GroupNormalization(groups=-1)` takes reductions, which XLA's CPU
+backend fuses with the elementwise ops feeding them into scalar loops. This
+script times one forward + backward step (`jit_compile=True`, gradients
+w.r.t. the input and both weights) of Keras's program, of the layer's formula
+with reductions and autodiff (the layer's program inside XLA before the
+products) and of the layer as it runs inside XLA, interleaved in an order
+shuffled each round, median process CPU time, at the layer grid's
+instance-norm shapes in float32, bfloat16 and float16, and prints each as a
+ratio to Keras's program.
+
+Usage: python benchmarks/in_xla_sums.py [--quick] [--reps N]
+    [--dtypes float32 bfloat16 float16] [--output PATH]
+"""
+
+import argparse
+import os
+import pathlib
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from layers import GRID, QUICK_GRID, RESULTS
+from machine import cpu_kind, print_header, write_results
+from moments_gradient import keras_group_formula, time_cell
+
+from keras_amp_plus.layers import _keras_formula
+
+DTYPES = ("float32", "bfloat16", "float16")
+STAT_AXES = (1, 2)
+FORMS = ("reductions", "products")
+
+
+def reductions(x, gamma, beta, epsilon):
+    """The layer's formula with reductions, differentiated by autodiff."""
+    outputs, _ = _keras_formula.formula_forward(
+        x, gamma, beta, epsilon, STAT_AXES, x.dtype
+    )
+    return outputs
+
+
+def products(x, gamma, beta, epsilon):
+    """The layer inside XLA: means as batched products, analytic gradient."""
+    return _keras_formula.keras_formula_normalize(
+        x, gamma, beta, epsilon, STAT_AXES, x.dtype
+    )
+
+
+FORMULAS = {
+    "keras": keras_group_formula,
+    "reductions": reductions,
+    "products": products,
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 shapes, 5 reps")
+    parser.add_argument("--reps", type=int, default=None, help="default 15")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--output", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    info = print_header("Instance norm inside XLA: reductions vs products")
+    suffix = "_quick" if args.quick else ""
+    output = args.output or RESULTS / f"in_xla_sums_{cpu_kind(info)}{suffix}.json"
+    reps = args.reps or (5 if args.quick else 15)
+    shapes = (QUICK_GRID if args.quick else GRID)["IN"]
+    header = " ".join(f"{name:>10}" for name in FORMS)
+    print(f"\n{'shape':<20} {'dtype':<9} {'keras ms':>9} {header}")
+    rows = []
+    for shape in shapes:
+        for dtype in args.dtypes:
+            ms = time_cell(shape, dtype, reps, FORMULAS)
+            ratios = {name: ms[name] / ms["keras"] for name in FORMS}
+            rows.append(
+                {"shape": list(shape), "dtype": dtype, "ms": ms, "ratios": ratios}
+            )
+            cells = " ".join(f"{ratios[name]:10.2f}" for name in FORMS)
+            print(f"{shape!s:<20} {dtype:<9} {ms['keras']:9.2f} {cells}", flush=True)
+    print("(ratio = that form's time / Keras's program's, median process CPU time)")
+    write_results(output, info, {"rows": rows}, reps=reps, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()

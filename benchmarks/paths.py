@@ -12,9 +12,8 @@ when traced; "tfdata": traced for any batch size), called interleaved, call
 by call in an order shuffled each round, median process CPU time. It is the
 evidence behind the rules a measurement does not decide (float16 instance
 norms without float16 arithmetic, for one) and shows which path a CPU should
-take where. For instance norm it also times the kernels in their earlier
-layout, channels as rows at every size (`fused_kernels_as_rows`), and in
-float16 TensorFlow's batch-norm kernel in float16 (`batch_norm_float16_kernel`,
+take where. For float16 instance norms it also times TensorFlow's
+batch-norm kernel in float16 (`batch_norm_float16_kernel`,
 `per_sample_batch_norm_float16_kernel`) beside the paths as the layer runs
 them, which on a CPU without float16 arithmetic widen to the float32 kernel
 (`_precision.kernel_dtype`), and the kernels and Keras's formula on the
@@ -58,11 +57,6 @@ from machine import cpu_kind, print_header, write_results
 from keras_amp_plus.layers import _path_choice, _per_sample_batch_norm, _precision
 
 STEPS = ("graph", "tfdata")
-# The kernels with instance norm's channels as rows of the transposed input at
-# every size, their only layout before 2026-12-03 (now below
-# `_path_choice.DOT_SUM_MIN_ELEMENTS` they run in place): timed beside the
-# others to show what the layout is worth.
-KERNELS_AS_ROWS = "fused_kernels_as_rows"
 # The batch-norm paths with the kernel in float16, as CPUs with float16
 # arithmetic run them (float16 inputs only; suffix of the path's name).
 FLOAT16_KERNEL = "_float16_kernel"
@@ -75,7 +69,6 @@ PATHS = {
     "IN": (
         _path_choice.KERAS_FORMULA,
         _path_choice.FUSED_KERNELS,
-        KERNELS_AS_ROWS,
         _path_choice.BATCH_NORM,
         _path_choice.PER_SAMPLE_BATCH_NORM,
     ),
@@ -123,28 +116,19 @@ def forced_layer(kind, path, shape, weights):
 def traced_with_path(step, path, x, upstream):
     """Call `step` once with `path` forced while it traces; restore the variable.
 
-    `KERNELS_AS_ROWS`: the kernels, with the dot size (from which instance
-    norm's kernels take the rows layout) set to 1 while the step traces.
     A path ending in `FLOAT16_KERNEL`: that path, on a CPU taken to have
     float16 arithmetic while the step traces.
     """
     previous = os.environ.get(_path_choice.PATH_VARIABLE)
-    as_rows = path == KERNELS_AS_ROWS
     float16_kernel = path.endswith(FLOAT16_KERNEL)
     path = path.removesuffix(FLOAT16_KERNEL).removesuffix(WIDENED)
-    os.environ[_path_choice.PATH_VARIABLE] = (
-        _path_choice.FUSED_KERNELS if as_rows else path
-    )
-    dot_sum_min = _path_choice.DOT_SUM_MIN_ELEMENTS
+    os.environ[_path_choice.PATH_VARIABLE] = path
     has_float16_arithmetic = _precision.cpu_has_float16_arithmetic
-    if as_rows:
-        _path_choice.DOT_SUM_MIN_ELEMENTS = 1
     if float16_kernel:
         _precision.cpu_has_float16_arithmetic = lambda: True
     try:
         return step(x, upstream)
     finally:
-        _path_choice.DOT_SUM_MIN_ELEMENTS = dot_sum_min
         _precision.cpu_has_float16_arithmetic = has_float16_arithmetic
         if previous is None:
             del os.environ[_path_choice.PATH_VARIABLE]

@@ -100,10 +100,10 @@ def test_low_precision_statistics_fail_this_check():
 
 @pytest.mark.parametrize("policy_name", POLICIES)
 def test_sums_as_dots_match_float64(policy_name, monkeypatch):
-    # Large tensors sum as matrix products; force that path on small ones
-    # (shapes used nowhere else, so the kernels are traced afresh): rows
-    # (layer norm; instance norm as one row per sample and channel) and a
-    # middle axis (layer norm over it).
+    # The kernels sum as matrix products; the kernels' path forced on small
+    # inputs far from zero (shapes used nowhere else, so the kernels are
+    # traced afresh): rows (layer norm), middle axes (instance norm) and a
+    # middle axis of layer norm.
     monkeypatch.setattr(_path_choice, "DOT_SUM_MIN_ELEMENTS", 0)
     policy = use_policy(policy_name)
     check_normalization(

@@ -311,20 +311,14 @@ def test_fit_on_a_dataset_trains_through_the_switch_like_keras(large_path, monke
         np.testing.assert_allclose(ours_weight, keras_weight, rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("layout", ("in_place", "channel_rows"))
 @pytest.mark.parametrize("policy_name", POLICIES)
 @pytest.mark.parametrize(
     "shape", ((3, 40, 6), (2, 5, 6, 8), (2, 3, 4, 5, 6)), ids=("1d", "2d", "3d")
 )
-def test_instance_norm_kernels_in_either_layout_match_float64(
-    shape, policy_name, layout, monkeypatch
-):
-    # The kernels normalize instance norm channels last in place below the
-    # dot size and as rows of the transposed input from it on: any rank,
-    # and sizes known only at run time (the layout then chosen at run time).
+def test_instance_norm_kernels_match_float64(shape, policy_name, monkeypatch):
+    # The kernels normalize instance norm channels last in place, its sums
+    # batched products: any rank, and sizes known only at run time.
     monkeypatch.setenv(_path_choice.PATH_VARIABLE, _path_choice.FUSED_KERNELS)
-    if layout == "channel_rows":
-        monkeypatch.setattr(_path_choice, "DOT_SUM_MIN_ELEMENTS", 1)
     policy = use_policy(policy_name)
     rank = len(shape)
     stat_axes = tuple(range(1, rank - 1))
@@ -338,26 +332,34 @@ def test_instance_norm_kernels_in_either_layout_match_float64(
             check_normalization(layer, shape, mean, policy, stat_axes, params)
 
 
-def test_instance_norm_kernels_in_place_backward_sums_full_size_tensors_twice():
-    # The backward kernel's sums over full-size tensors: the upstream gradient
-    # and its product with the normalized input, once each. The weights'
-    # gradients are sums of those per-sample sums; written as means times the
-    # count, XLA summed the full-size tensors again over every axis at once
-    # (four full-size reductions, and a third slower step).
+def test_instance_norm_kernels_sum_full_size_tensors_as_two_products_a_pass():
+    # Each kernel sums two full-size tensors over the middle axes, one batched
+    # product each (XLA's fused reductions are scalar loops): the forward the
+    # input and its squared deviation, the backward the upstream gradient and
+    # its product with the normalized input. The weights' gradients are sums
+    # of those per-sample sums over the samples (axis 0): written as means
+    # times the count, XLA summed the full-size tensors again over every axis.
     shape = (4, 8, 8, 16)
     x, upstream = tf.ones(shape), tf.ones(shape)
     statistics = (tf.ones([4, 1, 1, 16]),) * 3
-    hlo = _fused_normalization._normalize_backward.experimental_get_compiler_ir(
-        upstream, x, statistics, tf.ones([1, 1, 1, 16]), (1, 2), (0, 1, 2), False
+    gamma = tf.ones([1, 1, 1, 16])
+    forward = _fused_normalization._normalize_forward.experimental_get_compiler_ir(
+        x, gamma, gamma, 1e-3, (1, 2), tf.float32
     )("optimized_hlo")
+    backward = _fused_normalization._normalize_backward.experimental_get_compiler_ir(
+        upstream, x, statistics, gamma, (1, 2), (0, 1, 2)
+    )("optimized_hlo")
+    for hlo in (forward, backward):
+        lines = hlo.splitlines()
+        dots = [line for line in lines if " dot(" in line]
+        assert len(dots) == 2
+        assert all("f32[4,1,16]" in line or "f32[4,16]" in line for line in dots)
     reduced_axes = [
         line.split("dimensions={")[1].split("}")[0]
-        for line in hlo.splitlines()
+        for line in backward.splitlines()
         if " reduce(" in line
     ]
-    # The per-sample sums' sums over the samples reduce axis 0 alone; every
-    # other reduction is of a full-size tensor.
-    assert len([axes for axes in reduced_axes if axes != "0"]) == 2
+    assert reduced_axes and all(axes == "0" for axes in reduced_axes)
 
 
 def _path_taken(

@@ -70,17 +70,12 @@ def test_onednn_swish_forward_leaves_its_sigmoid_to_the_product(monkeypatch):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize(
-    "name", ["LayerNormalization", "InstanceNormalization", "channel_rows"]
-)
+@pytest.mark.parametrize("name", ["LayerNormalization", "InstanceNormalization"])
 def test_normalization_backward_keeps_input_and_statistics(name, policy, monkeypatch):
     # The kernels' path (in a graph step of unknown batch size the layer may
     # otherwise switch between paths at run time, inside nested functions).
-    # Instance norm of a known size, for its layout to be chosen when traced:
-    # in place below the dot size, as rows of the transposed input from it on.
+    # Instance norm runs in place.
     monkeypatch.setenv(_path_choice.PATH_VARIABLE, _path_choice.FUSED_KERNELS)
-    if name == "channel_rows":
-        monkeypatch.setattr(_path_choice, "DOT_SUM_MIN_ELEMENTS", 1)
     keras.config.set_dtype_policy(policy)
     compute = keras.config.dtype_policy().compute_dtype
     if name == "LayerNormalization":
@@ -95,12 +90,8 @@ def test_normalization_backward_keeps_input_and_statistics(name, policy, monkeyp
         assert kernel_input.op.type == "Reshape"
         assert kernel_input.op.inputs[0] is x
         assert kernel_input.shape.as_list() == [None, 8]
-    elif name == "InstanceNormalization":  # in place: x itself
+    else:  # instance norm in place: x itself
         assert kernel_input is x
-    else:  # instance norm's channels as rows: x transposed, not a float32 copy
-        assert kernel_input.op.type == "Reshape"
-        assert kernel_input.op.inputs[0].op.type == "Transpose"
-        assert kernel_input.op.inputs[0].op.inputs[0] is x
     # Full-size tensors read by the backward kernel: the upstream gradient and
     # the kernels' input, in the compute dtype; the rest is per-slice
     # statistics (shape 1 along the normalized axes) and the weights.

@@ -16,7 +16,7 @@ it beats the other paths is measured (`_path_calibration`).
 
 import tensorflow as tf
 
-from keras_amp_plus.layers import _channel_rows, _precision
+from keras_amp_plus.layers import _precision
 
 # The kernel raises epsilon to this minimum (cuDNN's); smaller ones would
 # change the result, so such layers take another path.
@@ -107,9 +107,16 @@ def batch_norm_backward(upstream, x, gamma, saved, epsilon, stat_axes):
     )
     return (
         _from_pairs(tf.cast(x_grad, x.dtype), x),
-        _channel_rows.per_channel_sum(gamma_grad, gamma),
-        _channel_rows.per_channel_sum(beta_grad, gamma),
+        _per_channel_sum(gamma_grad, gamma),
+        _per_channel_sum(beta_grad, gamma),
     )
+
+
+def _per_channel_sum(pair_values, weight):
+    """Sum the kernel's `(N * C,)` per-pair values over the samples, as `weight`."""
+    channels = tf.size(weight)
+    per_sample = tf.reshape(pair_values, tf.stack([-1, channels]))
+    return tf.reshape(tf.reduce_sum(per_sample, axis=0), tf.shape(weight))
 
 
 def _to_pairs(x):

@@ -14,9 +14,10 @@ rewrite paints Keras's `Mean`/`SquaredDifference`/`Rsqrt` bfloat16, but it skips
 functions that XLA must compile, so the statistics here stay float32.
 
 Sums over trailing axes (a row's statistics) are matrix products with a ones
-column, which XLA runs as one call into a vectorized GEMM instead of its slow
-row-reduction loop; other sums are reductions, or products from
-`_path_choice.DOT_SUM_MIN_ELEMENTS` on (see `_sum_over_axes`).
+column, and sums over middle axes (instance norm channels last) batched
+products with a ones row, which XLA runs as calls into a vectorized GEMM
+instead of the scalar loops it emits for reductions fused with their
+operands (see `_sum_over_axes`); the weights' gradients are reductions.
 One-pass statistics (E[x^2] - E[x]^2) fail on N(1000, 1) inputs, so the mean is
 subtracted before the variance is taken, and both are taken of the input minus
 each row's first element (see `_normalize_forward`). Where these kernels do not beat
@@ -27,10 +28,8 @@ TensorFlow's batch-norm kernel instead (`_path_choice` decides;
 
 import tensorflow as tf
 
-from keras_amp_plus import _compat
 from keras_amp_plus.layers import (
     _batch_norm_formula,
-    _channel_rows,
     _feature_rows,
     _keras_formula,
     _path_choice,
@@ -40,28 +39,24 @@ from keras_amp_plus.layers import (
 )
 
 
-def _sum_over_axes(t, axes, middle_products=True):
+def _sum_over_axes(t, axes):
     """Sum `t` over `axes` (keepdims); a matrix product when they are adjacent.
 
-    XLA's CPU backend emits a reduction over the minor (last) axis as a
-    chain of scalar additions per row, while a dot becomes one call into a
-    vectorized GEMM: sums over trailing axes are always a product with a
-    ones column (about 2x faster at every layer-norm shape measured). Sums
-    over middle axes are products from `_path_choice.DOT_SUM_MIN_ELEMENTS`
-    on, reductions below it; always reductions with `middle_products`
-    False (a caller that knows the size is below it: the run-time choice is
-    a `tf.cond`, which a second-order gradient cannot differentiate inside
-    XLA). The shapes are read at run time, so unknown (None) dimensions at
-    trace time are fine.
+    XLA's CPU backend emits a reduction fused with the elementwise ops that
+    feed it as a scalar loop per output element, while a dot becomes a call
+    into a vectorized GEMM (its operand written once): sums over trailing
+    axes are a product with a ones column (about 2x faster at every
+    layer-norm shape measured), sums over middle axes one with a ones row
+    per leading index (instance norm channels last: 0.3-0.6x the reductions'
+    time in graph steps at the layer grid's shapes, `_product_means`).
+    Sums over leading axes (the weights' gradients) stay reductions. The
+    shapes are read at run time, so unknown (None) dimensions at trace time
+    are fine.
     """
     axes = sorted(axes)
     adjacent = axes == list(range(axes[0], axes[-1] + 1))
     trailing = axes[-1] == t.shape.rank - 1
-    if (
-        not adjacent
-        or (axes[0] == 0 and not trailing)
-        or not (trailing or middle_products)
-    ):
+    if not adjacent or (axes[0] == 0 and not trailing):
         # Leading axes (the weight gradients' sums): a column reduction,
         # which XLA vectorizes, beat the product at every size measured.
         return tf.reduce_sum(t, axis=axes, keepdims=True)
@@ -75,21 +70,10 @@ def _sum_over_axes(t, axes, middle_products=True):
     else:  # a middle block: a ones row times each (summed, inner) matrix
         inner = tf.reduce_prod(dims[axes[-1] + 1 :])
         blocks = tf.reshape(t, tf.stack([-1, summed, inner]))
-        ones = tf.ones(tf.stack([1, summed]), t.dtype)
-
-        def as_product():
-            return tf.linalg.matmul(ones, blocks)
-
-        def as_reduction():
-            return tf.reduce_sum(blocks, axis=1, keepdims=True)
-
-        known_size = t.shape.num_elements()
-        if known_size is not None:
-            large = known_size >= _path_choice.DOT_SUM_MIN_ELEMENTS
-            sums = as_product() if large else as_reduction()
-        else:  # a constant to XLA, which keeps only the branch taken
-            large = tf.size(blocks, tf.int64) >= _path_choice.DOT_SUM_MIN_ELEMENTS
-            sums = tf.cond(large, as_product, as_reduction)
+        # One ones row per block, not one row broadcast over the blocks: XLA
+        # compiled the broadcast product to a loop about 3x slower.
+        ones = tf.ones(tf.stack([tf.shape(blocks)[0], 1, summed]), t.dtype)
+        sums = tf.linalg.matmul(ones, blocks)
     # Built from slices of the shape (not a scatter) so that XLA can still
     # evaluate it at compile time when this runs inside a jit-compiled model.
     kept = tf.concat(
@@ -104,8 +88,8 @@ def _count(t, axes):
     return tf.reduce_prod(tf.gather(tf.shape(t), list(axes)))
 
 
-def _mean_over_axes(t, axes, middle_products=True):
-    sums = _sum_over_axes(t, axes, middle_products)
+def _mean_over_axes(t, axes):
+    sums = _sum_over_axes(t, axes)
     return sums / tf.cast(_count(t, axes), t.dtype)
 
 
@@ -116,9 +100,7 @@ def _first_along(t, axes):
 
 
 @tf.function(jit_compile=True)
-def _normalize_forward(
-    x, gamma, beta, epsilon, stat_axes, output_dtype, middle_products=True
-):
+def _normalize_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """Return (outputs, statistics), statistics in float32 or wider.
 
     `statistics` is `(shift, shifted_mean, inverse_stddev)`, taken of
@@ -126,15 +108,14 @@ def _normalize_forward(
     near the spread of the row, not its offset, so the mean of inputs far
     from zero is exact to the rounding of their spread (a constant row of
     1000s centers to exact zeros, which a mean off by one float32 rounding,
-    times `1 / sqrt(epsilon)`, would not). `middle_products`: as in
-    `_sum_over_axes`.
+    times `1 / sqrt(epsilon)`, would not).
     """
     x_wide = tf.cast(x, gamma.dtype)
     shift = _first_along(x_wide, stat_axes)
     shifted = x_wide - shift
-    shifted_mean = _mean_over_axes(shifted, stat_axes, middle_products)
+    shifted_mean = _mean_over_axes(shifted, stat_axes)
     centered = shifted - shifted_mean
-    variance = _mean_over_axes(tf.square(centered), stat_axes, middle_products)
+    variance = _mean_over_axes(tf.square(centered), stat_axes)
     inverse_stddev = tf.math.rsqrt(variance + epsilon)
     outputs = centered * (inverse_stddev * gamma) + beta
     statistics = (shift, shifted_mean, inverse_stddev)
@@ -149,7 +130,6 @@ def _normalize_backward(
     gamma,
     stat_axes,
     param_reduce_axes,
-    middle_products=True,
 ):
     """Return the gradients w.r.t. (x, gamma, beta) of `_normalize_forward`."""
     shift, shifted_mean, inverse_stddev = statistics
@@ -164,8 +144,8 @@ def _normalize_backward(
         # They are summed from the sums themselves: written as means times
         # the count, XLA folded the division and the product away and summed
         # the full-size tensors a second time, over every axis at once.
-        upstream_sum = _sum_over_axes(upstream_wide, stat_axes, middle_products)
-        projection_sum = _sum_over_axes(upstream_normalized, stat_axes, middle_products)
+        upstream_sum = _sum_over_axes(upstream_wide, stat_axes)
+        projection_sum = _sum_over_axes(upstream_normalized, stat_axes)
         inverse_count = 1.0 / tf.cast(_count(x, stat_axes), gamma.dtype)
         x_grad = (inverse_stddev * gamma) * (
             upstream_wide
@@ -177,8 +157,8 @@ def _normalize_backward(
         beta_grad = tf.reduce_sum(upstream_sum, remaining, keepdims=True)
     else:
         scaled = upstream_wide * gamma
-        scaled_mean = _mean_over_axes(scaled, stat_axes, middle_products)
-        projection = _mean_over_axes(scaled * normalized, stat_axes, middle_products)
+        scaled_mean = _mean_over_axes(scaled, stat_axes)
+        projection = _mean_over_axes(scaled * normalized, stat_axes)
         x_grad = inverse_stddev * (scaled - scaled_mean - normalized * projection)
         # Both weight gradients in one reduction: inside a model XLA compiles
         # whole, XLA folds the rows reshape of a (batch, sequence, features)
@@ -262,11 +242,9 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
 def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """`fused_normalize` by the fused kernels (the path `_path_calibration` races).
 
-    Instance norm channels last runs in place or, from
-    `_path_choice.DOT_SUM_MIN_ELEMENTS` elements on, as one row per sample
-    and channel (`_by_size`); layer norm's leading axes flattened into rows
-    (`_feature_rows`), padded to row buckets where their length varies
-    (`_row_buckets`); anything else as it comes.
+    Layer norm's leading axes flattened into rows (`_feature_rows`), padded
+    to row buckets where their length varies (`_row_buckets`); anything
+    else, instance norm channels last included, as it comes.
     """
     stat_axes = tuple(stat_axes)
     output_dtype = tf.as_dtype(output_dtype)
@@ -276,8 +254,6 @@ def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
             x, gamma, beta, epsilon, stat_axes, output_dtype
         )
 
-    if _channel_rows.applies(x, gamma, stat_axes):
-        return _channels_last_with_gradient(x, gamma, beta, epsilon, output_dtype)
     # Variable-length inputs would compile new XLA kernels at every new shape.
     if _row_buckets.applies(x, gamma, stat_axes):
         normalize = _row_buckets.in_padded_rows(normalize)
@@ -287,30 +263,19 @@ def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     return normalize(x, gamma, beta, stat_axes)
 
 
-def _normalize_with_gradient(
-    x, gamma, beta, epsilon, stat_axes, output_dtype, middle_products=True
-):
-    """`fused_normalize` on shapes as they come, one XLA kernel per shape.
-
-    `middle_products`: as in `_sum_over_axes`.
-    """
+def _normalize_with_gradient(x, gamma, beta, epsilon, stat_axes, output_dtype):
+    """`fused_normalize` on shapes as they come, one XLA kernel per shape."""
     param_reduce_axes = _param_reduce_axes(x, gamma)
 
     @tf.custom_gradient
     def normalize(x, gamma, beta):
         outputs, statistics = _normalize_forward(
-            x, gamma, beta, epsilon, stat_axes, output_dtype, middle_products
+            x, gamma, beta, epsilon, stat_axes, output_dtype
         )
 
         def grad(upstream):
             return _normalize_backward(
-                upstream,
-                x,
-                statistics,
-                gamma,
-                stat_axes,
-                param_reduce_axes,
-                middle_products,
+                upstream, x, statistics, gamma, stat_axes, param_reduce_axes
             )
 
         return outputs, grad
@@ -321,165 +286,20 @@ def _normalize_with_gradient(
 def kernels_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """Return `(outputs, saved)`: `kernels_normalize` and its statistics.
 
-    For inputs behind the run-time switch (`_size_switch`): instance norm
-    channels last as `_channels_last_forward` runs it, anything else as it
-    comes. `saved` is `_normalize_forward`'s statistics.
+    For inputs behind the run-time switch (`_size_switch`), as they come.
+    `saved` is `_normalize_forward`'s statistics.
     """
-    stat_axes = tuple(stat_axes)
     output_dtype = tf.as_dtype(output_dtype)
-    if _channel_rows.applies(x, gamma, stat_axes):
-        return _channels_last_forward(x, gamma, beta, epsilon, output_dtype)
-    return _normalize_forward(x, gamma, beta, epsilon, stat_axes, output_dtype)
+    return _normalize_forward(x, gamma, beta, epsilon, tuple(stat_axes), output_dtype)
 
 
 def kernels_backward(upstream, x, gamma, saved, epsilon, stat_axes):
     """Return the gradients w.r.t. (x, gamma, beta) of `kernels_forward`."""
     del epsilon
-    stat_axes = tuple(stat_axes)
-    if _channel_rows.applies(x, gamma, stat_axes):
-        return _channels_last_backward(upstream, x, gamma, saved)
     param_reduce_axes = _param_reduce_axes(x, gamma)
-    return _normalize_backward(upstream, x, saved, gamma, stat_axes, param_reduce_axes)
-
-
-def _channels_last_with_gradient(x, gamma, beta, epsilon, output_dtype):
-    """Instance norm of a channels-last `x` by the kernels, differentiable.
-
-    Of a size known when traced, in its layout (`_by_size`), the backward
-    pass reading the forward kernel's input (`x`, or its rows). Of a size
-    read at run time, both passes choose the layout; the backward pass then
-    takes the rows of `x` again (a `tf.cond` between two custom gradients
-    does not trace).
-    """
-    stat_axes = _middle_axes(x)
-
-    def in_place():
-        return _normalize_with_gradient(
-            x, gamma, beta, epsilon, stat_axes, output_dtype, middle_products=False
-        )
-
-    def as_rows():
-        def normalize(rows, gamma, beta, stat_axes):
-            return _normalize_with_gradient(
-                rows, gamma, beta, epsilon, stat_axes, output_dtype
-            )
-
-        return _channel_rows.normalize_as_rows(normalize, x, gamma, beta)
-
-    if x.shape.num_elements() is not None:
-        return _by_size(x, in_place, as_rows)
-
-    @tf.custom_gradient
-    def normalize(x, gamma, beta):
-        outputs, statistics = _channels_last_forward(
-            x, gamma, beta, epsilon, output_dtype
-        )
-
-        def grad(upstream):
-            return _channels_last_backward(upstream, x, gamma, statistics)
-
-        return outputs, grad
-
-    return normalize(x, gamma, beta)
-
-
-def _channels_last_forward(x, gamma, beta, epsilon, output_dtype):
-    """Return `(outputs, statistics)` of a channels-last instance norm.
-
-    The statistics are `_normalize_forward`'s, shaped `(N, 1, ..., 1, C)`
-    in either layout (`_by_size` chooses it): one shape for both branches of
-    a run-time choice and for the run-time switch's saved tensors
-    (`_size_switch`).
-    """
-    stat_axes = _middle_axes(x)
-
-    def in_place():
-        return _normalize_forward(
-            x, gamma, beta, epsilon, stat_axes, output_dtype, middle_products=False
-        )
-
-    def as_rows():
-        samples = tf.shape(x)[0]
-        rows, statistics = _normalize_forward(
-            _channel_rows.to_rows(x),
-            _channel_rows.per_row(gamma, samples),
-            _channel_rows.per_row(beta, samples),
-            epsilon,
-            (1,),
-            output_dtype,
-        )
-        shape = _statistics_shape(x)
-        statistics = tuple(tf.reshape(value, shape) for value in statistics)
-        return _channel_rows.from_rows(rows, x), statistics
-
-    return _by_size(x, in_place, as_rows)
-
-
-def _channels_last_backward(upstream, x, gamma, statistics):
-    """Return the gradients w.r.t. (x, gamma, beta) of `_channels_last_forward`."""
-
-    def in_place():
-        return _normalize_backward(
-            upstream,
-            x,
-            statistics,
-            gamma,
-            _middle_axes(x),
-            _param_reduce_axes(x, gamma),
-            middle_products=False,
-        )
-
-    def as_rows():
-        x_grad, gamma_grad, beta_grad = _normalize_backward(
-            _channel_rows.to_rows(upstream),
-            _channel_rows.to_rows(x),
-            tuple(tf.reshape(value, [-1, 1]) for value in statistics),
-            _channel_rows.per_row(gamma, tf.shape(x)[0]),
-            (1,),
-            (1,),
-        )
-        return (
-            _channel_rows.from_rows(x_grad, x),
-            _channel_rows.per_channel_sum(gamma_grad, gamma),
-            _channel_rows.per_channel_sum(beta_grad, gamma),
-        )
-
-    return _by_size(x, in_place, as_rows)
-
-
-def _by_size(x, in_place, as_rows):
-    """Run `in_place()` below `_path_choice.DOT_SUM_MIN_ELEMENTS`, else `as_rows()`.
-
-    In place, the kernels sum over the middle axes with XLA's reductions,
-    which keep the channels in vector registers; from that size on, one row
-    per sample and channel (`_channel_rows`), whose sums are matrix products,
-    won despite its transposes (forward + backward in graph steps, instance
-    norm shapes of the layer grid on an AMD EPYC Zen 4: in place 0.68-0.95x
-    Keras's time below it, as rows 0.77-1.48x; as rows 0.46-0.85x at 2**22
-    elements, in place 0.89-1.26x). A size unknown when the step is traced
-    is read at run time, except inside XLA: there it is in place (a
-    `tf.cond` inside an XLA-compiled function cannot be differentiated twice;
-    the layers run Keras's formula there unless the kernels are forced).
-    """
-    elements = x.shape.num_elements()
-    if elements is None and not _compat.in_xla_compiled_function():
-        small = tf.size(x, out_type=tf.int64) < _path_choice.DOT_SUM_MIN_ELEMENTS
-        return tf.cond(small, in_place, as_rows)
-    if elements is None or elements < _path_choice.DOT_SUM_MIN_ELEMENTS:
-        return in_place()
-    return as_rows()
-
-
-def _middle_axes(x):
-    """Return the axes between the batch and channels axes of `x`."""
-    return tuple(range(1, x.shape.rank - 1))
-
-
-def _statistics_shape(x):
-    """Return `(N, 1, ..., 1, C)` for a channels-last `x`, read at run time."""
-    dims = tf.shape(x)
-    middle = tf.ones([x.shape.rank - 2], dims.dtype)
-    return tf.concat([dims[:1], middle, dims[-1:]], axis=0)
+    return _normalize_backward(
+        upstream, x, saved, gamma, tuple(stat_axes), param_reduce_axes
+    )
 
 
 def _param_reduce_axes(x, gamma):

@@ -101,12 +101,9 @@ PER_SAMPLE_MIN_ELEMENTS = 2**21
 LARGE_SAMPLE_ELEMENTS = 2**19
 PATH_VARIABLE = "KERAS_AMP_PLUS_NORMALIZATION_PATH"
 
-# From this many elements on, the kernels' sums over middle axes are matrix
-# products too (one call into a vectorized GEMM instead of XLA's reduction
-# loops; instance norm channels last then runs as rows, whose sums are such
-# products: `_fused_normalization._by_size`), and layer norm's kernels win on
-# every CPU measured, also without AVX-512 (see
-# `benchmarks/results/layers_*.json`).
+# From this many elements on, layer norm's kernels win on every CPU measured,
+# also without AVX-512 (see `benchmarks/results/layers_*.json`), and instance
+# norm's kernels are the rule's choice where nothing was measured.
 DOT_SUM_MIN_ELEMENTS = 2**22
 
 # TensorFlow's graph rewrites that would paint the formula's statistics.

@@ -11,28 +11,36 @@ with reductions and autodiff (the layer's program inside XLA before the
 products) and of the layer as it runs inside XLA, interleaved in an order
 shuffled each round, median process CPU time, at the layer grid's
 instance-norm shapes in float32, bfloat16 and float16, and prints each as a
-ratio to Keras's program.
+ratio to Keras's program. A fourth form, `half_operands`, is the layer's with
+the sums of the input and of the upstream gradient taken from the bfloat16 or
+float16 tensors themselves by a product accumulating in float32
+(`BatchMatMulV3` with `Tout=float32`; exact, as the ones row is), not from
+their float32 copies: whether that saves the widening. (XLA's CPU backend
+widens a half-precision dot's operands to float32 itself; the form's
+optimized HLO converts them before the dot as the layer's does.)
 
 Usage: python benchmarks/in_xla_sums.py [--quick] [--reps N]
     [--dtypes float32 bfloat16 float16] [--output PATH]
 """
 
 import argparse
+import functools
 import os
 import pathlib
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import tensorflow as tf
 from layers import GRID, QUICK_GRID, RESULTS
 from machine import cpu_kind, print_header, write_results
 from moments_gradient import keras_group_formula, time_cell
 
-from keras_amp_plus.layers import _keras_formula
+from keras_amp_plus.layers import _keras_formula, _product_means, _saved_gradient
 
 DTYPES = ("float32", "bfloat16", "float16")
 STAT_AXES = (1, 2)
-FORMS = ("reductions", "products")
+FORMS = ("reductions", "products", "half_operands")
 
 
 def reductions(x, gamma, beta, epsilon):
@@ -50,10 +58,38 @@ def products(x, gamma, beta, epsilon):
     )
 
 
+def _half_operand_mean(t, stat_axes):
+    """`_product_means.middle_mean`, from the half tensor `t` was widened from."""
+    source = t.op.inputs[0] if t.op.type == "Cast" else t
+    if source.dtype not in (tf.bfloat16, tf.float16):
+        return _product_means.middle_mean(t, stat_axes)
+    dims = tf.shape(source)
+    count = tf.reduce_prod(dims[1:-1])
+    blocks = tf.reshape(source, tf.stack([dims[0], count, dims[-1]]))
+    ones = tf.ones(tf.stack([dims[0], 1, count]), source.dtype)
+    sums = tf.raw_ops.BatchMatMulV3(x=ones, y=blocks, Tout=tf.float32)
+    kept = tf.concat([dims[:1], tf.ones([len(stat_axes)], tf.int32), dims[-1:]], 0)
+    return tf.reshape(sums, kept) / tf.cast(count, tf.float32)
+
+
+def half_operands(x, gamma, beta, epsilon):
+    """`products`, the sums of x and the upstream gradient from half tensors."""
+    forward = functools.partial(
+        _keras_formula.formula_forward, mean_of=_half_operand_mean
+    )
+    backward = functools.partial(
+        _keras_formula.formula_backward, mean_of=_half_operand_mean
+    )
+    return _saved_gradient.normalize_with(
+        forward, backward, x, gamma, beta, epsilon, STAT_AXES, x.dtype
+    )
+
+
 FORMULAS = {
     "keras": keras_group_formula,
     "reductions": reductions,
     "products": products,
+    "half_operands": half_operands,
 }
 
 

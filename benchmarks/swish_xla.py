@@ -6,7 +6,11 @@ chooses there is whether to compute in the input's dtype (Keras's
 and whether the backward pass keeps the forward's sigmoid or recomputes it
 (`_swish_activation._recompute_threshold`). This script times one forward +
 backward step (`jit_compile=True`, the input's gradient) of each form and of
-a float32 multiply (the affine reference of `benchmarks/layers.py`),
+a float32 multiply (the affine reference of `benchmarks/layers.py`) and of a
+form the layer rejects, the sigmoid as `0.5 + 0.5 * tanh(z / 2)` (XLA's
+CPU tanh is a rational approximation, no exponential), whose lower tail
+the script measures too (relative error against float64 where the
+sigmoid is below 1e-4; the exponential's form is exact to a few ulps there),
 interleaved in an order shuffled each round (`layers.time_interleaved`: more
 rounds for cheap cells), median process CPU time, at
 Swish shapes of the layer grid and below, per dtype; prints each form's time
@@ -23,6 +27,7 @@ import pathlib
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import numpy as np
 import tensorflow as tf
 from layers import RESULTS, time_interleaved
 from machine import cpu_kind, print_header, write_results
@@ -60,6 +65,38 @@ def widened_recomputed(x):
     return _swish_activation._swish_choosing_backward_sigmoid(x, beta, False, True)
 
 
+def _tanh_sigmoid(z):
+    return 0.5 + 0.5 * tf.tanh(0.5 * z)
+
+
+def tanh_recomputed(x):
+    """float32 arithmetic; the sigmoid from tanh, recomputed in the backward."""
+
+    @tf.custom_gradient
+    def swish(x):
+        def grad(upstream):
+            x_wide = tf.cast(x, tf.float32)
+            gate = _tanh_sigmoid(x_wide)
+            slope = gate * (1.0 + x_wide * (1.0 - gate))
+            return tf.cast(tf.cast(upstream, tf.float32) * slope, x.dtype)
+
+        x_wide = tf.cast(x, tf.float32)
+        return tf.cast(x_wide * _tanh_sigmoid(x_wide), x.dtype), grad
+
+    return swish(x)
+
+
+def lower_tail_error(form):
+    """Return the largest relative error of `form` in float32 where sigmoid < 1e-4.
+
+    Against float64 `x / (1 + exp(-x))` for x from -80 to -9.3, inside XLA.
+    """
+    x64 = np.linspace(-80.0, -9.3, 4096)
+    outputs = tf.function(form, jit_compile=True)(tf.constant(x64, tf.float32))
+    reference = x64 / (1.0 + np.exp(-x64))
+    return float(np.max(np.abs(outputs.numpy() - reference) / np.abs(reference)))
+
+
 def affine(x):
     """A float32 multiply: what the input and output cost, no sigmoid."""
     return tf.cast(tf.cast(x, tf.float32) * 2.0, x.dtype)
@@ -69,6 +106,7 @@ FORMS = {
     "keras_formula": keras_formula,
     "widened_kept": widened_kept,
     "widened_recomputed": widened_recomputed,
+    "tanh_recomputed": tanh_recomputed,
     "affine": affine,
 }
 
@@ -110,6 +148,10 @@ def main():
     shapes = SHAPES[1:4] if args.quick else SHAPES
     others = [name for name in FORMS if name != "keras_formula"]
     header = " ".join(f"{name:>18}" for name in others)
+    tails = {name: lower_tail_error(FORMS[name]) for name in FORMS if name != "affine"}
+    print("lower tail (sigmoid < 1e-4), largest relative error in float32:")
+    for name, error in tails.items():
+        print(f"  {name:<20} {error:.2e}")
     print(f"\n{'shape':<14} {'dtype':<9} {'keras ms':>9} {header}")
     rows = []
     for dtype in args.dtypes:
@@ -125,7 +167,13 @@ def main():
                 flush=True,
             )
     print("(ratio = the form's / Keras's formula's median process CPU time)")
-    write_results(output, info, {"rows": rows}, reps=reps, quick=args.quick)
+    write_results(
+        output,
+        info,
+        {"rows": rows, "lower_tail_error": tails},
+        reps=reps,
+        quick=args.quick,
+    )
 
 
 if __name__ == "__main__":

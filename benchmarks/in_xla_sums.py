@@ -23,17 +23,15 @@ Usage: python benchmarks/in_xla_sums.py [--quick] [--reps N]
     [--dtypes float32 bfloat16 float16] [--output PATH]
 """
 
-import argparse
 import functools
 import os
-import pathlib
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf
-from layers import GRID, QUICK_GRID, RESULTS
-from machine import cpu_kind, print_header, write_results
+from layers import GRID, QUICK_GRID
+from machine import sweep_options, write_results
 from moments_gradient import keras_group_formula, time_cell
 
 from keras_amp_plus.layers import _keras_formula, _product_means, _saved_gradient
@@ -94,16 +92,14 @@ FORMULAS = {
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 shapes, 5 reps")
-    parser.add_argument("--reps", type=int, default=None, help="default 15")
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
-    parser.add_argument("--output", type=pathlib.Path, default=None)
-    args = parser.parse_args()
-    info = print_header("Instance norm inside XLA: reductions vs products")
-    suffix = "_quick" if args.quick else ""
-    output = args.output or RESULTS / f"in_xla_sums_{cpu_kind(info)}{suffix}.json"
-    reps = args.reps or (5 if args.quick else 15)
+    args, info, output, reps = sweep_options(
+        __doc__,
+        "Instance norm inside XLA: reductions vs products",
+        "in_xla_sums",
+        "2 shapes, 5 reps",
+        15,
+        DTYPES,
+    )
     shapes = (QUICK_GRID if args.quick else GRID)["IN"]
     header = " ".join(f"{name:>10}" for name in FORMS)
     print(f"\n{'shape':<20} {'dtype':<9} {'keras ms':>9} {header}")

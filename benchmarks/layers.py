@@ -78,7 +78,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
-from machine import cpu_kind, print_header
+from machine import RESULTS, cpu_kind, print_header
 
 from keras_amp_plus import layers
 from keras_amp_plus.layers import (
@@ -87,7 +87,6 @@ from keras_amp_plus.layers import (
     _swish_calibration,
 )
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 POLICIES = ("mixed_bfloat16", "mixed_float16", "float32")
 STEPS = ("graph", "tfdata", "any_size", "xla", "xla_tfdata")
 ANY_BATCH_STEPS = ("tfdata", "xla_tfdata")

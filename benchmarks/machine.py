@@ -6,8 +6,10 @@ instructions. Every script calls `print_header` first, stores its result under
 `"machine"` in its JSON, and names its result file with `cpu_kind()`.
 """
 
+import argparse
 import json
 import os
+import pathlib
 import platform
 import re
 import sys
@@ -146,3 +148,30 @@ def write_results(output, machine: dict, document: dict, **meta) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({"meta": meta, **document}, indent=1) + "\n")
     print(f"wrote {output}")
+
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def sweep_options(doc, title, name, quick_help, reps, dtypes=None):
+    """Parse a sweep's command line, print its header and name its JSON.
+
+    The options every sweep takes: `--quick` (`quick_help`; 5 reps), `--reps`
+    (default `reps`), `--output` (default `results/<name>_<cpu kind>.json`,
+    `_quick` added for quick runs) and, where `dtypes` is given, `--dtypes`.
+
+    Returns:
+        `(args, machine, output, reps)`: the parsed options, `print_header`'s
+        description of the machine, the JSON's path and the repetitions.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--reps", type=int, default=None, help=f"default {reps}")
+    if dtypes:
+        parser.add_argument("--dtypes", nargs="+", default=list(dtypes), choices=dtypes)
+    parser.add_argument("--output", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    machine = print_header(title)
+    suffix = "_quick" if args.quick else ""
+    output = args.output or RESULTS / f"{name}_{cpu_kind(machine)}{suffix}.json"
+    return args, machine, output, args.reps or (5 if args.quick else reps)

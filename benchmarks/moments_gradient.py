@@ -14,9 +14,7 @@ float16, prints a table and writes JSON named per CPU kind.
 Usage: python benchmarks/moments_gradient.py [--quick] [--reps N] [--output PATH]
 """
 
-import argparse
 import os
-import pathlib
 import random
 import statistics
 import time
@@ -25,8 +23,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf
-from layers import RESULTS
-from machine import cpu_kind, print_header, write_results
+from machine import sweep_options, write_results
 
 from keras_amp_plus.layers import _keras_formula
 
@@ -110,16 +107,13 @@ def time_cell(shape, dtype, reps, formulas=None):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 shapes, 5 reps")
-    parser.add_argument("--reps", type=int, default=None, help="default 30")
-    parser.add_argument("--output", type=pathlib.Path, default=None)
-    args = parser.parse_args()
-    info = print_header("Instance norm's formula inside XLA, forward + backward")
-    suffix = "_quick" if args.quick else ""
-    name = f"moments_gradient_{cpu_kind(info)}{suffix}.json"
-    output = args.output or RESULTS / name
-    reps = args.reps or (5 if args.quick else 30)
+    args, info, output, reps = sweep_options(
+        __doc__,
+        "Instance norm's formula inside XLA, forward + backward",
+        "moments_gradient",
+        "2 shapes, 5 reps",
+        30,
+    )
     shapes = SHAPES[:2] if args.quick else SHAPES
     header = f"{'tf.nn.moments ms':>17} {'layer ms':>9} {'ratio':>6}"
     print(f"\n{'shape':<20} {'dtype':<9} {header}")

@@ -20,17 +20,15 @@ Usage: python benchmarks/swish_xla.py [--quick] [--reps N] [--dtypes ...]
     [--output PATH]
 """
 
-import argparse
 import os
-import pathlib
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
 import tensorflow as tf
-from layers import RESULTS, time_interleaved
-from machine import cpu_kind, print_header, write_results
+from layers import time_interleaved
+from machine import sweep_options, write_results
 
 from keras_amp_plus.layers import _swish_activation
 
@@ -135,16 +133,14 @@ def time_cell(shape, dtype, reps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 shapes, 5 reps")
-    parser.add_argument("--reps", type=int, default=None, help="default 15")
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
-    parser.add_argument("--output", type=pathlib.Path, default=None)
-    args = parser.parse_args()
-    info = print_header("Swish inside XLA, forward + backward, ratio to Keras's")
-    suffix = "_quick" if args.quick else ""
-    output = args.output or RESULTS / f"swish_xla_{cpu_kind(info)}{suffix}.json"
-    reps = args.reps or (5 if args.quick else 15)
+    args, info, output, reps = sweep_options(
+        __doc__,
+        "Swish inside XLA, forward + backward, ratio to Keras's",
+        "swish_xla",
+        "3 shapes, 5 reps",
+        15,
+        DTYPES,
+    )
     shapes = SHAPES[1:4] if args.quick else SHAPES
     others = [name for name in FORMS if name != "keras_formula"]
     header = " ".join(f"{name:>18}" for name in others)

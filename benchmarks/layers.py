@@ -30,9 +30,10 @@ processes on a shared machine inflates it little.
 The ratio is ours / Keras's: below 1 is faster. Outputs are checked against
 Keras's (same weights) before timing.
 
-Before timing, the layers' graph-step path choice and Swish's sigmoid
-threshold inside XLA are measured as the doctor measures them
-(`keras_amp_plus.layers._path_calibration`, `_swish_calibration`), into a
+Before timing, the layers' graph-step path choice, Swish's sigmoid
+threshold and instance norm's sums inside XLA are measured as the doctor
+measures them (`keras_amp_plus.layers._path_calibration`,
+`_swish_calibration`, `_xla_sums_calibration`), into a
 temporary cache directory so the user's cache is left alone;
 `--no-calibrate` reads the user's cache (the rule and the table where
 nothing is cached). The measured path cells go into the JSON.
@@ -85,6 +86,7 @@ from keras_amp_plus.layers import (
     _path_calibration,
     _swish_activation,
     _swish_calibration,
+    _xla_sums_calibration,
 )
 
 POLICIES = ("mixed_bfloat16", "mixed_float16", "float32")
@@ -423,10 +425,11 @@ def parse_args():
 
 
 def calibrate(quick):
-    """Measure what the doctor measures into a fresh cache directory; return cells.
+    """Measure what the doctor measures into a fresh cache directory.
 
-    The graph-step paths (returned) and Swish's sigmoid threshold inside XLA,
-    as `python -m keras_amp_plus doctor` races them for the layers.
+    The graph-step paths (returned), Swish's sigmoid threshold and instance
+    norm's sums inside XLA, as `python -m keras_amp_plus doctor` races them
+    for the layers. Returns `(graph-step path cells, XLA sums cells)`.
     """
     os.environ["KERAS_AMP_PLUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kap_paths_")
     raced = list(_swish_activation.sigmoid_thresholds())
@@ -434,6 +437,11 @@ def calibrate(quick):
     print(
         f"measured Swish's sigmoid thresholds: {_swish_activation.sigmoid_thresholds()}"
     )
+    sums = _xla_sums_calibration.measure_sums(seconds=8.0 if quick else 30.0)
+    products = ", ".join(
+        f"{cell['dtype']} {cell['shape']} {cell['ratio']:.2f}" for cell in sums["cells"]
+    )
+    print(f"measured instance norm's products / formula inside XLA: {products}")
     result = _path_calibration.measure_paths(
         seconds=20.0 if quick else 80.0, reps=3 if quick else 11
     )
@@ -445,7 +453,7 @@ def calibrate(quick):
             f"  {cell['dtype']:<9} {cell['shape']!s:<18} {batch:<9} {ratios}"
             f" -> {cell['path']}"
         )
-    return result["cells"]
+    return result["cells"], sums["cells"]
 
 
 def main():
@@ -457,7 +465,7 @@ def main():
     output = args.output or RESULTS / f"layers_{kind_tag}{suffix}.json"
     grid = QUICK_GRID if args.quick else GRID
     start = time.time()
-    calibration = None if args.no_calibrate else calibrate(args.quick)
+    calibration, xla_sums = (None, None) if args.no_calibrate else calibrate(args.quick)
     rows = []
     print(
         f"\n{'layer':<6} {'shape':<20} {'policy':<15} {'step':<10} "
@@ -503,6 +511,7 @@ def main():
         "command": " ".join(["python", *sys.argv]),
         "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
         "path_calibration": calibration,
+        "xla_sums_calibration": xla_sums,
     }
     table = [
         {

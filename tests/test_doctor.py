@@ -333,11 +333,12 @@ def test_doctor_passes_the_probe_result_to_the_advice(monkeypatch, tmp_path):
         }
 
     monkeypatch.setattr(_jit_probe, "probe_jit_speedup", fake_probe)
-    monkeypatch.setattr(
-        doctor,
-        "layer_paths_status",
-        lambda seconds, itex: {"cache": "x", "measured_now": False, "cells": []},
-    )
+    for race in ("layer_paths_status", "xla_sums_status"):
+        monkeypatch.setattr(
+            doctor,
+            race,
+            lambda seconds, itex: {"cache": "x", "measured_now": False, "cells": []},
+        )
     facts = doctor.gather_facts(probe_seconds=0.2, probe_size=128)
     assert seen["policy"] == facts["recommendation"]["policy"]
     assert facts["recommendation"]["jit_compile"] is True
@@ -369,6 +370,30 @@ def test_swish_sigmoid_race_not_run_with_itex_loaded(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
     line = doctor_text._swish_sigmoid_line(status)
     assert line == "not measured: ITEX is loaded: its kernels replace TensorFlow's"
+
+
+def test_xla_sums_race_not_run_with_itex_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_AMP_PLUS_CACHE_DIR", str(tmp_path))
+    status = doctor.xla_sums_status(5.0, {"version": "2.15", "importable": True})
+    assert status["cells"] == [] and "ITEX" in status["skipped"]
+    assert os.listdir(tmp_path) == []
+    line = doctor_text._xla_sums_line(status)
+    assert line == "not measured: ITEX is loaded: its kernels replace TensorFlow's"
+
+
+def test_xla_sums_line_counts_the_products_wins_per_precision():
+    cells = [
+        {"dtype": "float32", "elements": 2**16, "ratio": 0.9},
+        {"dtype": "bfloat16", "elements": 2**16, "ratio": 1.1},
+        {"dtype": "bfloat16", "elements": 2**18, "ratio": 0.7},
+    ]
+    line = doctor_text._xla_sums_line({"measured_now": True, "cells": cells})
+    assert (
+        line == "batched products won at bfloat16 1/2, float32 1/1 sizes (measured now)"
+    )
+    assert doctor_text._xla_sums_line({"measured_now": False, "cells": []}) == (
+        "products everywhere (not measured: the default)"
+    )
 
 
 def test_swish_sigmoid_line_names_each_threshold():
@@ -473,6 +498,7 @@ def test_doctor_json_on_this_machine(tmp_path):
         "jit_probe",
         "layer_paths",
         "swish_sigmoid",
+        "xla_sums",
         "recommendation",
     }
     jit_probe = facts["jit_probe"]
@@ -494,6 +520,12 @@ def test_doctor_json_on_this_machine(tmp_path):
     assert swish["measured_now"] and swish["cells"]
     assert swish["cache"].startswith(str(tmp_path))
     assert "float32" in swish["thresholds"]
+    # And instance norm's sums race inside XLA, smallest sizes first.
+    xla_sums = facts["xla_sums"]
+    assert xla_sums["measured_now"] and xla_sums["cells"]
+    assert xla_sums["cache"].startswith(str(tmp_path))
+    assert xla_sums["cells"][0]["elements"] == 8 * 16 * 16 * 32
+    assert all(cell["ratio"] > 0 for cell in xla_sums["cells"])
     assert facts["versions"]["tensorflow"] == tf.__version__
     assert facts["versions"]["keras"] == keras.__version__
     assert facts["versions"]["keras_backend"] == "tensorflow"

@@ -245,6 +245,48 @@ def swish_sigmoid_status(seconds: float, itex: dict | None = None) -> dict:
     }
 
 
+# The instance-norm sums race inside XLA gets this many times the probe
+# budget: one pass over its 21 cells took about 11 s on an Intel Xeon (AMX).
+XLA_SUMS_BUDGET_FACTOR = 12
+
+
+def xla_sums_status(seconds: float, itex: dict | None = None) -> dict:
+    """Return instance norm's measured sums inside XLA, measuring if needed.
+
+    Cached per CPU model, TensorFlow version, oneDNN state and allocator
+    setting (`keras_amp_plus.layers._xla_sums_calibration`): the doctor
+    races the batched products and Keras's formula once, the layer reads
+    the result when a model XLA compiles is traced.
+
+    Args:
+        seconds: wall-time budget when the measurement has to run.
+        itex: `itex_status()`. With ITEX loaded nothing is measured (as for
+            `layer_paths_status`).
+
+    Returns:
+        `{"cache", "measured_now", "cells"}`, plus `"skipped"` (why) when
+        nothing was measured on purpose.
+    """
+    from keras_amp_plus.layers import _xla_sums_calibration
+
+    if itex is not None and itex.get("importable"):
+        return {
+            "cache": None,
+            "measured_now": False,
+            "cells": [],
+            "skipped": "ITEX is loaded: its kernels replace TensorFlow's",
+        }
+    cells = _xla_sums_calibration.cached_cells()
+    measured_now = not cells
+    if measured_now:
+        cells = _xla_sums_calibration.measure_sums(seconds=seconds)["cells"]
+    return {
+        "cache": _xla_sums_calibration.cache_path(),
+        "measured_now": measured_now,
+        "cells": cells,
+    }
+
+
 def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
     """Collect everything the doctor reports, including the recommendation.
 
@@ -255,15 +297,16 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
     Args:
         probe_seconds: time budget of the matmul probe; the jit probe gets
             `JIT_PROBE_BUDGET_FACTOR` times it, and the layers' path
-            measurement and Swish's sigmoid race, when not cached yet,
-            `LAYER_PATHS_BUDGET_FACTOR` and `SWISH_SIGMOID_BUDGET_FACTOR`
-            times it. Defaults to `2.0`.
+            measurement, Swish's sigmoid race and instance norm's sums race
+            inside XLA, when not cached yet, `LAYER_PATHS_BUDGET_FACTOR`,
+            `SWISH_SIGMOID_BUDGET_FACTOR` and `XLA_SUMS_BUDGET_FACTOR` times
+            it. Defaults to `2.0`.
         probe_size: side of the probe's square matrices. Defaults to `1024`.
 
     Returns:
         A JSON-serializable dict with keys `"versions"`, `"onednn"`, `"cpu"`,
         `"devices"`, `"xla"`, `"probe"`, `"jit_probe"`, `"layer_paths"`,
-        `"swish_sigmoid"` and `"recommendation"`.
+        `"swish_sigmoid"`, `"xla_sums"` and `"recommendation"`.
     """
     from keras_amp_plus import _matmul_probe
     from keras_amp_plus.cli import _jit_probe
@@ -301,6 +344,9 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
     )
     facts["swish_sigmoid"] = swish_sigmoid_status(
         SWISH_SIGMOID_BUDGET_FACTOR * probe_seconds, stack["itex"]
+    )
+    facts["xla_sums"] = xla_sums_status(
+        XLA_SUMS_BUDGET_FACTOR * probe_seconds, stack["itex"]
     )
     facts["recommendation"] = recommendation.recommend(
         speedups, jit_probe=facts["jit_probe"], **facts_for_advice

@@ -139,6 +139,24 @@ def _swish_sigmoid_line(swish: dict | None) -> str:
     return f"recomputes the sigmoid: {sizes} elements{keeps} ({when})"
 
 
+def _xla_sums_line(xla_sums: dict | None) -> str:
+    """Return where instance norm inside XLA sums by products, per dtype."""
+    unmeasured = _unmeasured_line(xla_sums)
+    if unmeasured:
+        return unmeasured
+    cells = xla_sums["cells"]
+    if not cells:
+        return "products everywhere (not measured: the default)"
+    dtypes = sorted({cell["dtype"] for cell in cells})
+    parts = []
+    for name in dtypes:
+        won = [cell for cell in cells if cell["dtype"] == name]
+        products = sum(cell["ratio"] < 1.0 for cell in won)
+        parts.append(f"{name} {products}/{len(won)}")
+    when = "measured now" if xla_sums["measured_now"] else "cached"
+    return f"batched products won at {', '.join(parts)} sizes ({when})"
+
+
 def _unmeasured_line(status: dict | None) -> str | None:
     """Return why a race's `status` holds no measurement, or None if it may."""
     if status is None:
@@ -180,6 +198,7 @@ def render(facts: dict) -> str:
         ("jit probe", _jit_probe_line(facts.get("jit_probe"))),
         ("Layer paths", _layer_paths_line(facts.get("layer_paths"))),
         ("Swish in XLA", _swish_sigmoid_line(facts.get("swish_sigmoid"))),
+        ("IN sums in XLA", _xla_sums_line(facts.get("xla_sums"))),
     ]
     lines = ["keras_amp_plus doctor", ""]
     lines += [f"  {label:<16}{value}" for label, value in rows]

@@ -12,7 +12,8 @@ matters: the mathematically equal `(x - mean) * inv + beta` keeps one more
 full-size tensor for autodiff and ran slower.
 Inside XLA, instance norm channels last takes its means as batched matrix
 products (`_product_means`), which XLA's CPU backend runs several times
-faster than the reductions it fuses (Keras's own program sums that way).
+faster than the reductions it fuses (Keras's own program sums that way),
+except where `_xla_sums_calibration` measured them slower on this machine.
 Unlike Keras's layers, the statistics are computed in the dtype of `gamma`
 (float32 or float64) whatever the input dtype. As in Keras's layers, `x *
 inv` and `mean * inv` cancel for inputs far from zero: relative to the
@@ -25,7 +26,11 @@ import functools
 import tensorflow as tf
 
 from keras_amp_plus import _compat
-from keras_amp_plus.layers import _product_means, _saved_gradient
+from keras_amp_plus.layers import (
+    _product_means,
+    _saved_gradient,
+    _xla_sums_calibration,
+)
 
 
 def keras_formula_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
@@ -47,19 +52,54 @@ def keras_formula_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     >>> [round(float(v), 2) for v in out[0]]
     [-1.22, 0.0, 1.22]
     """
-    forward, backward = formula_forward, formula_backward
     if _compat.in_xla_compiled_function():
-        if not _product_means.applies(x, stat_axes):
-            # Autodiff of the formula is what XLA fuses with its neighbours.
-            outputs, _ = forward(x, gamma, beta, epsilon, stat_axes, output_dtype)
-            return outputs
-        forward, backward = _FORWARD_BY_PRODUCTS, _BACKWARD_BY_PRODUCTS
+        products = _product_means.applies(x, stat_axes) and (
+            _xla_sums_calibration.products_win(x.dtype, x.shape.num_elements())
+        )
+        normalize = normalize_by_products if products else normalize_by_reductions
+        return normalize(x, gamma, beta, epsilon, stat_axes, output_dtype)
     # The analytic backward makes fewer passes over memory than TensorFlow's
     # autodiff of the formula, and took less CPU time at instance-norm shapes
-    # in graph steps (`benchmarks/batch_switch.py`) and inside XLA
-    # (`benchmarks/in_xla_sums.py`).
+    # in graph steps (`benchmarks/batch_switch.py`).
     return _saved_gradient.normalize_with(
-        forward, backward, x, gamma, beta, epsilon, stat_axes, output_dtype
+        formula_forward,
+        formula_backward,
+        x,
+        gamma,
+        beta,
+        epsilon,
+        stat_axes,
+        output_dtype,
+    )
+
+
+def normalize_by_reductions(x, gamma, beta, epsilon, stat_axes, output_dtype):
+    """Return the formula with reductions, differentiated by autodiff.
+
+    Inside XLA this is what XLA fuses with its neighbours, as it does Keras's
+    own layers; the arguments are `keras_formula_normalize`'s.
+    """
+    outputs, _ = formula_forward(x, gamma, beta, epsilon, stat_axes, output_dtype)
+    return outputs
+
+
+def normalize_by_products(x, gamma, beta, epsilon, stat_axes, output_dtype):
+    """Return the formula with means as batched products, analytic gradient.
+
+    For instance norm channels last inside XLA (`_product_means.applies`);
+    the analytic backward took less CPU time there than autodiff of the
+    products (`benchmarks/in_xla_sums.py`). The arguments are
+    `keras_formula_normalize`'s.
+    """
+    return _saved_gradient.normalize_with(
+        _FORWARD_BY_PRODUCTS,
+        _BACKWARD_BY_PRODUCTS,
+        x,
+        gamma,
+        beta,
+        epsilon,
+        stat_axes,
+        output_dtype,
     )
 
 

@@ -13,7 +13,8 @@ measured by `benchmarks/layers.py` on each kind of machine:
   into the model's cluster. For statistics over trailing axes (layer norm)
   the kernels still win there at every size, their sums being matrix
   products. For statistics over middle axes (instance norm), Keras's
-  formula.
+  formula, its sums batched products where they beat its reductions on
+  this machine (`_keras_formula`, `_xla_sums_calibration`).
 - In a graph step (no XLA around), for statistics over trailing axes from
   `DOT_SUM_MIN_ELEMENTS` on, the kernels, which won on every CPU measured.
   Elsewhere the race is close and differs between CPUs and dtypes: where

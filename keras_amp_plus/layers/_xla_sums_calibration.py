@@ -1,0 +1,172 @@
+"""Measured sums for instance norm inside XLA: once per CPU model and TensorFlow.
+
+Inside a step XLA compiles whole, instance norm channels last either takes
+its per-sample sums as batched matrix products with a ones row
+(`_product_means`, analytic gradient) or runs Keras's formula with
+reductions, differentiated by autodiff (what XLA fuses with its
+neighbours, as it fuses Keras's `GroupNormalization`). The products win
+where XLA's CPU backend emits the fused reductions as scalar loops, most of
+the layer grid on every CPU measured, but they write a float32 copy of a
+half-precision input, which costs more than it saves at small inputs, and,
+with TensorFlow's unpooled CPU allocator (oneDNN off, no
+`TF_CPU_ALLOCATOR_USE_BFC`), at large ones, whose copy is mapped and
+page-faulted in afresh every step (`benchmarks/in_xla_sums.py`).
+`measure_sums` races both forms at instance-norm sizes per input precision,
+forward + backward, interleaved, medians of process CPU time, in two passes
+(as the paths' race), and caches the ratios beside the normalization
+paths' race (`_path_calibration.cache_file`), keyed also by the allocator
+setting. `products_win` reads them back; without a measurement near the
+input's size the products run.
+"""
+
+import math
+import os
+import statistics
+
+import tensorflow as tf
+
+from keras_amp_plus.layers import _path_calibration
+
+# The graph-step race's instance-norm shapes: 2**16 to 2**22 elements.
+RACED_SHAPES = _path_calibration.MIDDLE_SHAPES
+DTYPES = ("float32", "bfloat16", "float16")
+# Part of the cache file's name: raise it when either raced form or the way
+# they are timed changes.
+REVISION = 1
+# TensorFlow reads this at start-up: pooled or not, its large temporaries
+# cost differently, so the race is cached per setting.
+ALLOCATOR_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"
+# A measurement stands for inputs up to this many octaves of elements away.
+# Not two, as in the paths' race: with oneDNN off and the unpooled allocator
+# the products lost at 2**22 elements in half precision (1.3-1.4x the
+# formula's time) and won at 2**24 (0.6-0.7x), where the formula's own
+# temporaries page-fault too.
+NEAREST_OCTAVES = 1.0
+_STAT_AXES = (1, 2)
+
+
+def cache_path() -> str:
+    """Return the cache file of this CPU, TensorFlow, oneDNN and allocator."""
+    allocator = os.environ.get(ALLOCATOR_VARIABLE, "unset").strip().lower() or "unset"
+    return _path_calibration.cache_file(f"xla_sums_r{REVISION}_bfc-{allocator}")
+
+
+def cached_cells() -> list:
+    """Return the measurements cached for this machine (empty when none)."""
+    return list(_path_calibration.read_cells(cache_path()))
+
+
+def products_win(dtype, elements) -> bool:
+    """Return whether the products are the choice for an input inside XLA.
+
+    The cell of the input's precision measured nearest its size decides,
+    within `NEAREST_OCTAVES` octaves: the products where
+    they took less CPU time than the formula there. Without such a cell (or
+    with the size unknown at trace time) the products, the faster form at
+    most sizes measured.
+
+    Args:
+        dtype: the input's dtype.
+        elements: the input's number of elements, or None when unknown.
+
+    Returns:
+        True for the products, False for Keras's formula.
+
+    Example:
+    >>> import os, tempfile
+    >>> os.environ["KERAS_AMP_PLUS_CACHE_DIR"] = tempfile.mkdtemp()
+    >>> products_win("bfloat16", 2**20)
+    True
+    >>> del os.environ["KERAS_AMP_PLUS_CACHE_DIR"]
+    """
+    name = tf.as_dtype(dtype).name
+    cells = [cell for cell in cached_cells() if cell["dtype"] == name]
+    if elements is None or not cells:
+        return True
+    nearest = min(cells, key=lambda cell: abs(math.log2(cell["elements"] / elements)))
+    if abs(math.log2(nearest["elements"] / elements)) > NEAREST_OCTAVES:
+        return True
+    return nearest["ratio"] < 1.0
+
+
+def measure_sums(
+    dtype_names=DTYPES, seconds: float = 20.0, reps: int = 7, passes: int = 2
+) -> dict:
+    """Race the products and Keras's formula inside XLA and cache the ratios.
+
+    Runs eagerly (never inside a `tf.function`). Cells are measured per
+    size, smallest first, each in every precision, then again, `passes`
+    times in all, until `seconds` of wall time are spent
+    (`_path_calibration.race_in_passes`); a cell's ratio is the geometric
+    mean over its passes. The cells done are cached.
+
+    Args:
+        dtype_names: the input dtypes to race (names). Defaults to float32,
+            bfloat16 and float16.
+        seconds: wall-time budget. Defaults to `20.0`.
+        reps: interleaved calls per form and cell in each pass. Defaults to
+            `7`.
+        passes: how many times each cell is raced at most. Defaults to `2`.
+
+    Returns:
+        `{"path": cache file, "cells": [{"dtype", "shape", "elements",
+        "ratio" (the products' CPU time / the formula's), "passes"}]}`.
+    """
+    if not tf.executing_eagerly():
+        raise RuntimeError(
+            "`measure_sums` times steps of its own and must run eagerly, not "
+            "inside a tf.function. Call it outside of any traced function."
+        )
+    specs = [(name, shape) for shape in RACED_SHAPES for name in dtype_names]
+    measured = _path_calibration.race_in_passes(
+        specs, lambda spec: _products_ratio(*spec, reps), seconds, passes
+    )
+    cells = [
+        {
+            "dtype": specs[index][0],
+            "shape": list(specs[index][1]),
+            "elements": math.prod(specs[index][1]),
+            "ratio": statistics.geometric_mean(ratios),
+            "passes": len(ratios),
+        }
+        for index, ratios in measured.items()
+    ]
+    path = cache_path()
+    _path_calibration.write_cells(path, cells)
+    return {"path": path, "cells": cells}
+
+
+def _products_ratio(dtype_name, shape, reps) -> float:
+    """Return the products' median CPU time over the formula's, one pass."""
+    steps = {
+        products: _xla_step(shape, dtype_name, products) for products in (False, True)
+    }
+    medians = _path_calibration.time_interleaved(steps, reps)
+    return medians[True] / medians[False]
+
+
+def _xla_step(shape, dtype_name, products):
+    """Return a `jit_compile=True` forward + backward step of one form."""
+    from keras_amp_plus.layers import _keras_formula
+
+    normalize = (
+        _keras_formula.normalize_by_products
+        if products
+        else _keras_formula.normalize_by_reductions
+    )
+    x = tf.cast(tf.random.stateless_normal(shape, (1, 2), mean=0.5), dtype_name)
+    upstream = tf.cast(tf.random.stateless_normal(shape, (3, 4)), dtype_name)
+    weight_shape = [1] * (len(shape) - 1) + [shape[-1]]
+    gamma = tf.random.stateless_uniform(weight_shape, (5, 6), 0.5, 1.5)
+    beta = tf.random.stateless_normal(weight_shape, (7, 8))
+
+    @tf.function(jit_compile=True)
+    def step(x, upstream, gamma, beta):
+        with tf.GradientTape() as tape:
+            tape.watch([x, gamma, beta])
+            outputs = normalize(x, gamma, beta, 1e-3, _STAT_AXES, x.dtype)
+        # The outputs too, as the next layer reads them.
+        grads = tape.gradient(outputs, [x, gamma, beta], output_gradients=upstream)
+        return outputs, grads
+
+    return lambda: step(x, upstream, gamma, beta)

@@ -1,0 +1,161 @@
+"""Instance norm's sums inside XLA: products or Keras's formula, as measured."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import check_normalization, float_inputs, use_policy
+
+from keras_amp_plus import layers
+from keras_amp_plus.layers import _path_calibration, _xla_sums_calibration
+
+SHAPE = (4, 16, 16, 16)  # 16384 elements
+ELEMENTS = int(np.prod(SHAPE))
+
+
+def _write_cells(ratios, dtype="bfloat16"):
+    """Cache a measurement: the products' time over the formula's per size."""
+    cells = [
+        {"dtype": dtype, "shape": [size], "elements": size, "ratio": ratio}
+        for size, ratio in ratios.items()
+    ]
+    _path_calibration.write_cells(_xla_sums_calibration.cache_path(), cells)
+
+
+@pytest.mark.parametrize(
+    "ratios, elements, expected",
+    (
+        ({2**20: 1.10}, 2**20, False),  # the products lost at this size
+        ({2**20: 0.60}, 2**20, True),  # they won
+        ({2**18: 0.60, 2**20: 1.10}, 2**19 + 2**17, False),  # the nearest lost
+        ({2**18: 0.60, 2**20: 1.10}, 2**18 + 2**16, True),  # the nearest won
+        ({2**20: 1.10}, 2**21, False),  # one octave away still stands for it
+        ({2**20: 1.10}, 2**22, True),  # two do not: the default, products
+        ({2**20: 1.10}, None, True),  # size unknown at trace time
+    ),
+)
+def test_the_nearest_measured_size_decides(
+    ratios, elements, expected, empty_path_cache
+):
+    _write_cells(ratios)
+    assert _xla_sums_calibration.products_win(tf.bfloat16, elements) is expected
+
+
+def test_without_a_measurement_of_the_precision_the_products_run(empty_path_cache):
+    assert _xla_sums_calibration.products_win(tf.float32, 2**20)
+    _write_cells({2**20: 1.5}, dtype="float16")  # another precision's
+    assert _xla_sums_calibration.products_win(tf.float32, 2**20)
+    assert not _xla_sums_calibration.products_win(tf.float16, 2**20)
+
+
+def test_the_allocator_setting_has_its_own_cache(empty_path_cache, monkeypatch):
+    # TensorFlow's unpooled allocator changes which form wins: a race run
+    # under one setting must not decide under the other.
+    monkeypatch.delenv(_xla_sums_calibration.ALLOCATOR_VARIABLE, raising=False)
+    _write_cells({2**20: 1.5})
+    assert not _xla_sums_calibration.products_win(tf.bfloat16, 2**20)
+    monkeypatch.setenv(_xla_sums_calibration.ALLOCATOR_VARIABLE, "1")
+    assert _xla_sums_calibration.products_win(tf.bfloat16, 2**20)
+
+
+def _dots_in_layer_step(policy_name, any_batch=False):
+    """Return how many dots XLA compiles for the layer's forward + backward."""
+    compute = use_policy(policy_name).compute_dtype
+    layer = layers.InstanceNormalization()
+    layer.build(SHAPE)
+    x, upstream, _, _ = float_inputs(SHAPE, 0.0, compute)
+    batch = None if any_batch else SHAPE[0]
+    spec = tf.TensorSpec((batch, *SHAPE[1:]), compute)
+
+    @tf.function(jit_compile=True, input_signature=[spec, spec])
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = layer(x)
+        return outputs, tape.gradient(outputs, [x, *layer.trainable_weights], upstream)
+
+    hlo = step.experimental_get_compiler_ir(x, upstream)(stage="optimized_hlo")
+    return hlo.count(" dot(")
+
+
+@pytest.mark.parametrize("policy_name", ("mixed_bfloat16", "float32"))
+def test_the_layer_sums_as_the_race_measured(policy_name, empty_path_cache):
+    # Four per-sample sums as batched dots where the products won or nothing
+    # was measured; reductions (no dot) where they lost, in that precision.
+    dtype = "bfloat16" if policy_name == "mixed_bfloat16" else "float32"
+    assert _dots_in_layer_step(policy_name) == 4
+    _write_cells({ELEMENTS: 0.7}, dtype)
+    assert _dots_in_layer_step(policy_name) == 4
+    _write_cells({ELEMENTS: 1.2}, dtype)
+    assert _dots_in_layer_step(policy_name) == 0
+    # Traced for any batch size the size is unknown: the products.
+    assert _dots_in_layer_step(policy_name, any_batch=True) == 4
+
+
+class _InXlaStep:
+    """The layer called inside a `jit_compile=True` function, as a model calls it."""
+
+    def __init__(self, layer):
+        self.inner = layer
+        self.call_in_step = tf.function(lambda x: layer(x), jit_compile=True)
+
+    def __getattr__(self, name):  # build, weights, gamma, beta, epsilon
+        return getattr(self.inner, name)
+
+    def __call__(self, x):
+        return self.call_in_step(x)
+
+
+@pytest.mark.parametrize("mean", (0.0, 100.0))
+@pytest.mark.parametrize("policy_name", ("float32", "mixed_bfloat16", "mixed_float16"))
+def test_where_the_products_lost_the_formula_matches_float64(
+    policy_name, mean, empty_path_cache
+):
+    policy = use_policy(policy_name)
+    _write_cells({ELEMENTS: 1.2}, policy.compute_dtype)
+    layer = _InXlaStep(layers.InstanceNormalization())
+    check_normalization(layer, SHAPE, mean, policy, (1, 2), (1, 1, 1, 16))
+    assert _dots_in_layer_step(policy_name) == 0  # the formula ran
+
+
+def test_measure_sums_caches_ratios(empty_path_cache, monkeypatch):
+    measured = _xla_sums_calibration.measure_sums(seconds=0.0)
+    assert measured["cells"] == []  # no budget: nothing timed
+    assert _xla_sums_calibration.cached_cells() == []
+    monkeypatch.setattr(
+        _xla_sums_calibration, "RACED_SHAPES", ((2, 4, 4, 8), (2, 8, 8, 8))
+    )
+    measured = _xla_sums_calibration.measure_sums(["bfloat16", "float32"], reps=2)
+    cells = measured["cells"]
+    assert [(cell["dtype"], cell["elements"]) for cell in cells] == [
+        ("bfloat16", 256),
+        ("float32", 256),
+        ("bfloat16", 1024),
+        ("float32", 1024),
+    ]
+    assert all(cell["ratio"] > 0 and cell["passes"] == 2 for cell in cells)
+    with open(measured["path"], encoding="utf-8") as file:
+        assert json.load(file)["cells"] == cells
+    assert _xla_sums_calibration.cached_cells() == cells
+
+
+def test_measure_sums_takes_the_geometric_mean_of_two_passes(
+    empty_path_cache, monkeypatch
+):
+    # One pass slowed the products (1.21), the other did not (0.81): 0.99,
+    # still a win.
+    monkeypatch.setattr(_xla_sums_calibration, "RACED_SHAPES", ((8, 32, 32, 64),))
+    ratios = iter([1.21, 0.81])
+    monkeypatch.setattr(
+        _xla_sums_calibration, "_products_ratio", lambda *_: next(ratios)
+    )
+    (cell,) = _xla_sums_calibration.measure_sums(["float32"])["cells"]
+    assert cell["passes"] == 2
+    assert cell["ratio"] == pytest.approx((1.21 * 0.81) ** 0.5)
+    assert _xla_sums_calibration.products_win(tf.float32, cell["elements"])
+
+
+def test_measure_sums_refuses_to_run_traced():
+    with pytest.raises(RuntimeError, match="must run eagerly"):
+        tf.function(lambda: _xla_sums_calibration.measure_sums(["float32"]))()

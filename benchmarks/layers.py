@@ -353,11 +353,19 @@ def time_cell(
     }
 
 
+ALL_POLICIES = "all policies"
+
+
 def summarize(rows):
-    """Return {(layer, step, policy): (worst, median, worst shape)}."""
+    """Return {(layer, step, policy): (worst, median, worst shape, floor, A/A)}.
+
+    Per policy, and over the whole grid of a layer and step (`ALL_POLICIES`),
+    as the targets read.
+    """
     groups = {}
     for row in rows:
-        groups.setdefault((row["layer"], row["step"], row["policy"]), []).append(row)
+        for policy in (row["policy"], ALL_POLICIES):
+            groups.setdefault((row["layer"], row["step"], policy), []).append(row)
     summary = {}
     for key, group in groups.items():
         worst = max(group, key=lambda r: r["ratio"])

@@ -53,6 +53,10 @@ def keras_formula_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     [-1.22, 0.0, 1.22]
     """
     if _compat.in_xla_compiled_function():
+        # With the size unknown at trace time (any batch size), the products:
+        # a `tf.cond` on the size, which XLA could fold per compiled shape,
+        # broke cond_v2's gradient of the products' custom gradient and
+        # aborted the process in XLA's CPU runtime for the formula's branch.
         products = _product_means.applies(x, stat_axes) and (
             _xla_sums_calibration.products_win(x.dtype, x.shape.num_elements())
         )

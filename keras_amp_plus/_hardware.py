@@ -151,6 +151,32 @@ def read_cpuinfo(path: str = CPUINFO_PATH) -> str | None:
         return None
 
 
+# TensorFlow reads it at start-up: "1" or "true" pools CPU memory in its BFC
+# allocator; unset, CPU tensors come from malloc unless oneDNN's allocator
+# takes them (oneDNN on).
+ALLOCATOR_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"
+
+
+def allocator_unpooled(onednn: bool | None) -> bool:
+    """Return True where TensorFlow allocates CPU tensors with plain malloc.
+
+    That is oneDNN off and `TF_CPU_ALLOCATOR_USE_BFC` unset: glibc then maps
+    large tensors afresh, and page-faults them in, at every step
+    (`benchmarks/cpu_allocator.py`). An explicit setting is the user's choice.
+
+    Args:
+        onednn: whether TensorFlow's oneDNN kernels are on (None: unknown).
+
+    Example:
+    >>> import os
+    >>> allocator_unpooled(onednn=True)
+    False
+    >>> allocator_unpooled(onednn=False) is (ALLOCATOR_VARIABLE not in os.environ)
+    True
+    """
+    return onednn is False and os.environ.get(ALLOCATOR_VARIABLE) is None
+
+
 def has_xpu() -> bool:
     """Return True when TensorFlow sees an Intel XPU (through ITEX)."""
     import tensorflow as tf

@@ -9,6 +9,9 @@ import tensorflow as tf
 
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import (
+    _allocator_check as allocator_check,
+)
+from keras_amp_plus.callbacks import (
     _attribution as attribution,
 )
 from keras_amp_plus.callbacks import (
@@ -314,3 +317,70 @@ def test_the_cpus_bfloat16_verdict_is_not_given_for_an_xpu(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="keras_amp_plus"):
         hardware_check.warn_once_if_bfloat16_is_slow(model, GrapplerEngine())
     assert caplog.records == []
+
+
+def _unpooled(monkeypatch):
+    """oneDNN off and the BFC allocator unset: CPU tensors come from malloc."""
+    monkeypatch.setattr(allocator_check._compat, "onednn_enabled", lambda: False)
+    monkeypatch.delenv(allocator_check._hardware.ALLOCATOR_VARIABLE, raising=False)
+    monkeypatch.setattr(allocator_check, "_warned", [])
+
+
+def test_an_unpooled_allocator_is_named_once_with_its_fix(monkeypatch, caplog):
+    _unpooled(monkeypatch)
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        allocator_check.warn_once_if_allocator_unpooled()
+        allocator_check.warn_once_if_allocator_unpooled()
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "oneDNN is off here and TF_CPU_ALLOCATOR_USE_BFC is unset" in message
+    assert "Set TF_CPU_ALLOCATOR_USE_BFC=1 in the environment before" in message
+
+
+@pytest.mark.parametrize(
+    "setting", ("bfc_set", "bfc_off", "onednn_on", "itex", "xpu"), ids=str
+)
+def test_a_pooled_allocator_or_another_device_is_not_named(
+    setting, monkeypatch, caplog
+):
+    _unpooled(monkeypatch)
+    if setting == "bfc_set":
+        monkeypatch.setenv(allocator_check._hardware.ALLOCATOR_VARIABLE, "1")
+    if setting == "bfc_off":  # an explicit choice is the user's
+        monkeypatch.setenv(allocator_check._hardware.ALLOCATOR_VARIABLE, "0")
+    if setting == "onednn_on":
+        monkeypatch.setattr(allocator_check._compat, "onednn_enabled", lambda: True)
+    if setting == "itex":
+        monkeypatch.setattr(allocator_check._compat, "itex_module", lambda: object())
+    if setting == "xpu":
+        monkeypatch.setattr(allocator_check._hardware, "has_xpu", lambda: True)
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        allocator_check.warn_once_if_allocator_unpooled()
+    assert caplog.records == []
+
+
+def test_fit_names_an_unpooled_allocator_before_the_first_step(
+    monkeypatch, caplog, tmp_path
+):
+    from keras_amp_plus.callbacks import AMPMonitor
+
+    _unpooled(monkeypatch)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(), loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+    first_step = []
+    step_logged = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: first_step.append(len(caplog.records))
+    )
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        model.fit(
+            x,
+            y,
+            epochs=1,
+            verbose=0,
+            callbacks=[AMPMonitor(str(tmp_path)), step_logged],
+        )
+    allocator = [
+        r for r in caplog.records if "TF_CPU_ALLOCATOR_USE_BFC" in r.getMessage()
+    ]
+    assert len(allocator) == 1
+    assert caplog.records.index(allocator[0]) < first_step[0]

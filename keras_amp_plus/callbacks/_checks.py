@@ -15,6 +15,7 @@ import weakref
 from keras_amp_plus import _compat
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import _distribution as distribution
+from keras_amp_plus.callbacks._allocator_check import warn_once_if_allocator_unpooled
 from keras_amp_plus.callbacks._event_log import check_writable
 from keras_amp_plus.callbacks._hardware_check import (
     low_precision_source,
@@ -160,6 +161,7 @@ def check_fit_setup(monitor, model):
     engine.check_lists(monitor.lists)
     monitor.lists.matching_layers(model)
     warn_once_if_bfloat16_is_slow(model, engine)
+    warn_once_if_allocator_unpooled()
     warn_if_float16_is_unscaled(model, engine)
     return engine
 

@@ -116,7 +116,7 @@ def _onednn_warning(features, onednn, onednn_env) -> str | None:
     return sentence
 
 
-ALLOCATOR_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"
+ALLOCATOR_VARIABLE = _hardware.ALLOCATOR_VARIABLE
 
 
 def _allocator_note(onednn, allocator_env) -> str | None:

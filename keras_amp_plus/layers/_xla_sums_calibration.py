@@ -25,6 +25,7 @@ import statistics
 
 import tensorflow as tf
 
+from keras_amp_plus import _hardware
 from keras_amp_plus.layers import _path_calibration
 
 # The graph-step race's instance-norm shapes: 2**16 to 2**22 elements.
@@ -35,7 +36,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REVISION = 1
 # TensorFlow reads this at start-up: pooled or not, its large temporaries
 # cost differently, so the race is cached per setting.
-ALLOCATOR_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"
+ALLOCATOR_VARIABLE = _hardware.ALLOCATOR_VARIABLE
 # A measurement stands for inputs up to this many octaves of elements away.
 # Not two, as in the paths' race: with oneDNN off and the unpooled allocator
 # the products lost at 2**22 elements in half precision (1.3-1.4x the

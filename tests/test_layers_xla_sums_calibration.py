@@ -2,6 +2,7 @@
 
 import json
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -159,3 +160,45 @@ def test_measure_sums_takes_the_geometric_mean_of_two_passes(
 def test_measure_sums_refuses_to_run_traced():
     with pytest.raises(RuntimeError, match="must run eagerly"):
         tf.function(lambda: _xla_sums_calibration.measure_sums(["float32"]))()
+
+
+def _fit_cnn(normalization, dataset):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((*SHAPE[1:3], 3)),
+            keras.layers.Conv2D(SHAPE[-1], 3, padding="same"),
+            normalization,
+            keras.layers.Activation("relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=True)
+    history = model.fit(dataset, epochs=3, shuffle=False, verbose=0)
+    return history.history["loss"], model.get_weights()
+
+
+@pytest.mark.parametrize("products", (False, True), ids=("formula", "products"))
+def test_fit_with_jit_compile_trains_as_keras_does_by_either_form(
+    products, empty_path_cache
+):
+    # A CNN compiled with XLA, batches of a fixed size (the size known at
+    # trace time, so the race decides): trained with Keras's
+    # `GroupNormalization(groups=-1)` from the same weights, the same losses
+    # and weights to float32 rounding, whichever form the race chose.
+    use_policy("float32")
+    _write_cells({ELEMENTS: 0.7 if products else 1.2}, "float32")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3 * SHAPE[0], *SHAPE[1:3], 3)).astype("float32")
+    y = rng.normal(size=(3 * SHAPE[0], 1)).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        SHAPE[0], drop_remainder=True
+    )
+    ours = _fit_cnn(layers.InstanceNormalization(), dataset)
+    theirs = _fit_cnn(keras.layers.GroupNormalization(groups=-1), dataset)
+    assert np.isfinite(ours[0]).all() and ours[0][-1] < ours[0][0]
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-4)
+    for mine, keras_weight in zip(ours[1], theirs[1], strict=True):
+        np.testing.assert_allclose(mine, keras_weight, rtol=1e-4, atol=1e-5)
+    assert _dots_in_layer_step("float32") == (4 if products else 0)

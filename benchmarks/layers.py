@@ -36,7 +36,8 @@ measures them (`keras_amp_plus.layers._path_calibration`,
 `_swish_calibration`, `_xla_sums_calibration`), into a
 temporary cache directory so the user's cache is left alone;
 `--no-calibrate` reads the user's cache (the rule and the table where
-nothing is cached). The measured path cells go into the JSON.
+nothing is cached). The measured cells (graph-step paths, XLA sums) go into
+the JSON.
 
 `--control` adds an A/A control to every cell: a second Keras layer (same
 weights, its own function) timed in the same rounds; its ratio to Keras's shows
@@ -435,7 +436,7 @@ def parse_args():
 def calibrate(quick):
     """Measure what the doctor measures into a fresh cache directory.
 
-    The graph-step paths (returned), Swish's sigmoid threshold and instance
+    The graph-step paths, Swish's sigmoid threshold and instance
     norm's sums inside XLA, as `python -m keras_amp_plus doctor` races them
     for the layers. Returns `(graph-step path cells, XLA sums cells)`.
     """

@@ -10,7 +10,9 @@ the layer grid on every CPU measured, but they write a float32 copy of a
 half-precision input, which costs more than it saves at small inputs, and,
 with TensorFlow's unpooled CPU allocator (oneDNN off, no
 `TF_CPU_ALLOCATOR_USE_BFC`), at large ones, whose copy is mapped and
-page-faulted in afresh every step (`benchmarks/in_xla_sums.py`).
+page-faulted in afresh every step (`benchmarks/in_xla_sums.py`) or not,
+depending on what the process freed before: a race cannot settle that case,
+which `AMPMonitor` and the doctor warn about instead.
 `measure_sums` races both forms at instance-norm sizes per input precision,
 forward + backward, interleaved, medians of process CPU time, in two passes
 (as the paths' race), and caches the ratios beside the normalization

@@ -6,7 +6,15 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import check_normalization, float_inputs, use_policy
+from conftest import (
+    as_float64,
+    check_normalization,
+    float_inputs,
+    penalty_gradients,
+    second_order_reference,
+    set_random_weights,
+    use_policy,
+)
 
 from keras_amp_plus import layers
 from keras_amp_plus.layers import _path_calibration, _xla_sums_calibration
@@ -60,8 +68,26 @@ def test_the_allocator_setting_has_its_own_cache(empty_path_cache, monkeypatch):
     assert _xla_sums_calibration.products_win(tf.bfloat16, 2**20)
 
 
-def _dots_in_layer_step(policy_name, any_batch=False):
-    """Return how many dots XLA compiles for the layer's forward + backward."""
+@pytest.mark.parametrize(
+    "ratios",
+    (
+        {2**16: 0.9, 2**18: 1.1, 2**19: 0.7, 2**20: 1.2, 2**22: 0.6},
+        {2**20: 1.1},
+        {2**16: 1.1, 2**22: 1.1},
+    ),
+)
+def test_the_run_time_choice_is_the_trace_time_one(ratios, empty_path_cache):
+    _write_cells(ratios)
+    for elements in [2**e + d for e in range(12, 26) for d in (-1, 0, 2 ** (e - 2))]:
+        at_run_time = _xla_sums_calibration.products_win_at_run_time(
+            tf.bfloat16, tf.constant(elements)
+        )
+        expected = _xla_sums_calibration.products_win(tf.bfloat16, elements)
+        assert bool(at_run_time) is expected, elements
+
+
+def _optimized_layer_step(policy_name, any_batch=False):
+    """Return XLA's optimized HLO of the layer's forward + backward."""
     compute = use_policy(policy_name).compute_dtype
     layer = layers.InstanceNormalization()
     layer.build(SHAPE)
@@ -76,8 +102,12 @@ def _dots_in_layer_step(policy_name, any_batch=False):
             outputs = layer(x)
         return outputs, tape.gradient(outputs, [x, *layer.trainable_weights], upstream)
 
-    hlo = step.experimental_get_compiler_ir(x, upstream)(stage="optimized_hlo")
-    return hlo.count(" dot(")
+    return step.experimental_get_compiler_ir(x, upstream)(stage="optimized_hlo")
+
+
+def _dots_in_layer_step(policy_name, any_batch=False):
+    """Return how many dots XLA compiles for the layer's forward + backward."""
+    return _optimized_layer_step(policy_name, any_batch).count(" dot(")
 
 
 @pytest.mark.parametrize("policy_name", ("mixed_bfloat16", "float32"))
@@ -90,16 +120,37 @@ def test_the_layer_sums_as_the_race_measured(policy_name, empty_path_cache):
     assert _dots_in_layer_step(policy_name) == 4
     _write_cells({ELEMENTS: 1.2}, dtype)
     assert _dots_in_layer_step(policy_name) == 0
-    # Traced for any batch size the size is unknown: the products.
-    assert _dots_in_layer_step(policy_name, any_batch=True) == 4
+
+
+@pytest.mark.parametrize("policy_name", ("mixed_bfloat16", "float32"))
+def test_traced_for_any_batch_xla_folds_the_choice_per_shape(
+    policy_name, empty_path_cache
+):
+    # The size is known only when XLA compiles the shape: the choice between
+    # the forms is folded there, leaving the measured form alone.
+    dtype = "bfloat16" if policy_name == "mixed_bfloat16" else "float32"
+    assert _dots_in_layer_step(policy_name, any_batch=True) == 4  # no measurement
+    _write_cells({ELEMENTS: 1.2}, dtype)
+    formula = _optimized_layer_step(policy_name, any_batch=True)
+    assert formula.count(" dot(") == 0
+    assert " select(" not in formula and " conditional(" not in formula
+    _write_cells({ELEMENTS: 0.7, 4 * ELEMENTS: 1.2}, dtype)
+    products = _optimized_layer_step(policy_name, any_batch=True)
+    assert products.count(" dot(") == 4
+    assert " select(" not in products and " conditional(" not in products
 
 
 class _InXlaStep:
     """The layer called inside a `jit_compile=True` function, as a model calls it."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, any_batch):
         self.inner = layer
-        self.call_in_step = tf.function(lambda x: layer(x), jit_compile=True)
+        signature = None
+        if any_batch:
+            signature = [tf.TensorSpec((None, *SHAPE[1:]), layer.compute_dtype)]
+        self.call_in_step = tf.function(
+            lambda x: layer(x), jit_compile=True, input_signature=signature
+        )
 
     def __getattr__(self, name):  # build, weights, gamma, beta, epsilon
         return getattr(self.inner, name)
@@ -108,16 +159,43 @@ class _InXlaStep:
         return self.call_in_step(x)
 
 
+@pytest.mark.parametrize("any_batch", (False, True))
 @pytest.mark.parametrize("mean", (0.0, 100.0))
 @pytest.mark.parametrize("policy_name", ("float32", "mixed_bfloat16", "mixed_float16"))
 def test_where_the_products_lost_the_formula_matches_float64(
-    policy_name, mean, empty_path_cache
+    policy_name, mean, any_batch, empty_path_cache
 ):
     policy = use_policy(policy_name)
     _write_cells({ELEMENTS: 1.2}, policy.compute_dtype)
-    layer = _InXlaStep(layers.InstanceNormalization())
+    layer = _InXlaStep(layers.InstanceNormalization(), any_batch)
     check_normalization(layer, SHAPE, mean, policy, (1, 2), (1, 1, 1, 16))
-    assert _dots_in_layer_step(policy_name) == 0  # the formula ran
+    assert _dots_in_layer_step(policy_name, any_batch) == 0  # the formula ran
+
+
+@pytest.mark.parametrize("products", (False, True), ids=("formula", "products"))
+def test_traced_for_any_batch_differentiates_twice_like_float64(
+    products, empty_path_cache
+):
+    # A gradient penalty through the choice XLA folds: autodiff of the
+    # layer's gradient reaches the form taken, whichever it is.
+    compute = use_policy("mixed_bfloat16").compute_dtype
+    _write_cells({ELEMENTS: 0.7 if products else 1.2}, compute)
+    layer = layers.InstanceNormalization()
+    layer.build(SHAPE)
+    set_random_weights(layer)
+    spec = tf.TensorSpec((None, *SHAPE[1:]), compute)
+    step = tf.function(lambda x: layer(x), jit_compile=True, input_signature=[spec])
+    x, upstream, x64, upstream64 = float_inputs(SHAPE, 0.0, compute)
+    direction = tf.cast(tf.random.stateless_normal(SHAPE, (1, 2)), compute)
+    _, second = penalty_gradients(step, x, upstream, direction)
+    params = (1, 1, 1, SHAPE[-1])
+    gamma = np.reshape(as_float64(layer.gamma), params)
+    beta = np.reshape(as_float64(layer.beta), params)
+    expected = second_order_reference(
+        x64, upstream64, as_float64(direction), gamma, beta, (1, 2)
+    )
+    atol = 5e-2 * np.abs(expected).max()  # bfloat16, as the known-shape test
+    np.testing.assert_allclose(as_float64(second), expected, rtol=0, atol=atol)
 
 
 def test_measure_sums_caches_ratios(empty_path_cache, monkeypatch):
@@ -179,21 +257,30 @@ def _fit_cnn(normalization, dataset):
     return history.history["loss"], model.get_weights()
 
 
-@pytest.mark.parametrize("products", (False, True), ids=("formula", "products"))
+@pytest.mark.parametrize(
+    "cells, samples, drop_remainder",
+    (
+        ({ELEMENTS: 1.2}, 12, True),  # the formula
+        ({ELEMENTS: 0.7}, 12, True),  # the products
+        # Batches of 4 (the formula) and a last one of 2 (the products),
+        # the batch size unknown at trace time.
+        ({ELEMENTS: 1.2, ELEMENTS // 2: 0.7}, 14, False),
+    ),
+    ids=("formula", "products", "both_any_batch"),
+)
 def test_fit_with_jit_compile_trains_as_keras_does_by_either_form(
-    products, empty_path_cache
+    cells, samples, drop_remainder, empty_path_cache
 ):
-    # A CNN compiled with XLA, batches of a fixed size (the size known at
-    # trace time, so the race decides): trained with Keras's
-    # `GroupNormalization(groups=-1)` from the same weights, the same losses
-    # and weights to float32 rounding, whichever form the race chose.
+    # A CNN compiled with XLA, trained with Keras's `GroupNormalization(-1)`
+    # from the same weights: the same losses and weights to float32
+    # rounding, whichever form the race chose for each batch size.
     use_policy("float32")
-    _write_cells({ELEMENTS: 0.7 if products else 1.2}, "float32")
+    _write_cells(cells, "float32")
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(3 * SHAPE[0], *SHAPE[1:3], 3)).astype("float32")
-    y = rng.normal(size=(3 * SHAPE[0], 1)).astype("float32")
+    x = rng.normal(size=(samples, *SHAPE[1:3], 3)).astype("float32")
+    y = rng.normal(size=(samples, 1)).astype("float32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        SHAPE[0], drop_remainder=True
+        SHAPE[0], drop_remainder=drop_remainder
     )
     ours = _fit_cnn(layers.InstanceNormalization(), dataset)
     theirs = _fit_cnn(keras.layers.GroupNormalization(groups=-1), dataset)
@@ -201,4 +288,3 @@ def test_fit_with_jit_compile_trains_as_keras_does_by_either_form(
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-4)
     for mine, keras_weight in zip(ours[1], theirs[1], strict=True):
         np.testing.assert_allclose(mine, keras_weight, rtol=1e-4, atol=1e-5)
-    assert _dots_in_layer_step("float32") == (4 if products else 0)

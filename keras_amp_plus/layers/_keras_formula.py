@@ -53,15 +53,15 @@ def keras_formula_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
     [-1.22, 0.0, 1.22]
     """
     if _compat.in_xla_compiled_function():
-        # With the size unknown at trace time (any batch size), the products:
-        # a `tf.cond` on the size, which XLA could fold per compiled shape,
-        # broke cond_v2's gradient of the products' custom gradient and
-        # aborted the process in XLA's CPU runtime for the formula's branch.
-        products = _product_means.applies(x, stat_axes) and (
-            _xla_sums_calibration.products_win(x.dtype, x.shape.num_elements())
-        )
-        normalize = normalize_by_products if products else normalize_by_reductions
-        return normalize(x, gamma, beta, epsilon, stat_axes, output_dtype)
+        arguments = (x, gamma, beta, epsilon, stat_axes, output_dtype)
+        if not _product_means.applies(x, stat_axes):
+            return normalize_by_reductions(*arguments)
+        elements = x.shape.num_elements()
+        if elements is None and _xla_sums_calibration.measured_in(x.dtype):
+            return normalize_by_size(*arguments)
+        if _xla_sums_calibration.products_win(x.dtype, elements):
+            return normalize_by_products(*arguments)
+        return normalize_by_reductions(*arguments)
     # The analytic backward makes fewer passes over memory than TensorFlow's
     # autodiff of the formula, and took less CPU time at instance-norm shapes
     # in graph steps (`benchmarks/batch_switch.py`).
@@ -203,6 +203,38 @@ def formula_backward(
     projection = mean_of(scaled * normalized, stat_axes)
     x_grad = inverse_stddev * (scaled - scaled_mean - normalized * projection)
     return tf.cast(x_grad, x.dtype), gamma_grad, beta_grad
+
+
+def normalize_by_size(x, gamma, beta, epsilon, stat_axes, output_dtype):
+    """Return the formula by the sums measured faster at `x`'s run-time size.
+
+    Inside a step traced for any batch size (as `fit(jit_compile=True)`
+    traces a `tf.data` pipeline) XLA still compiles each shape it meets, with
+    the size known: the choice (`_xla_sums_calibration.products_win_at_run_time`)
+    is then a constant, and XLA folds each `tf.where` between the two forms'
+    results to one and drops the other form's ops. No `tf.cond`: one on the
+    size broke cond_v2's gradient of the products' custom gradient, and
+    aborted the process in XLA's CPU runtime for the formula's branch. The
+    gradient is analytic for both forms, and differentiable again (a
+    gradient penalty then also computes the other form's second-order
+    terms, times zero). The arguments are `keras_formula_normalize`'s.
+    """
+    products = _xla_sums_calibration.products_win_at_run_time(x.dtype, tf.size(x))
+
+    def chosen(by_products, by_reductions):
+        return tf.nest.map_structure(
+            lambda a, b: tf.where(products, a, b), by_products, by_reductions
+        )
+
+    def forward(*arguments):
+        return chosen(_FORWARD_BY_PRODUCTS(*arguments), formula_forward(*arguments))
+
+    def backward(*arguments):
+        return chosen(_BACKWARD_BY_PRODUCTS(*arguments), formula_backward(*arguments))
+
+    return _saved_gradient.normalize_with(
+        forward, backward, x, gamma, beta, epsilon, stat_axes, output_dtype
+    )
 
 
 _FORWARD_BY_PRODUCTS = functools.partial(

@@ -59,18 +59,25 @@ def cached_cells() -> list:
     return list(_path_calibration.read_cells(cache_path()))
 
 
+def measured_in(dtype) -> bool:
+    """Return whether the race measured inputs of `dtype` on this machine."""
+    name = tf.as_dtype(dtype).name
+    return any(cell["dtype"] == name for cell in cached_cells())
+
+
 def products_win(dtype, elements) -> bool:
     """Return whether the products are the choice for an input inside XLA.
 
     The cell of the input's precision measured nearest its size decides,
     within `NEAREST_OCTAVES` octaves: the products where
-    they took less CPU time than the formula there. Without such a cell (or
-    with the size unknown at trace time) the products, the faster form at
-    most sizes measured.
+    they took less CPU time than the formula there. Without such a cell the
+    products, the faster form at most sizes measured. For a size unknown at
+    trace time, `products_win_at_run_time`.
 
     Args:
         dtype: the input's dtype.
-        elements: the input's number of elements, or None when unknown.
+        elements: the input's number of elements, or None when unknown
+            (then the products).
 
     Returns:
         True for the products, False for Keras's formula.
@@ -90,6 +97,38 @@ def products_win(dtype, elements) -> bool:
     if abs(math.log2(nearest["elements"] / elements)) > NEAREST_OCTAVES:
         return True
     return nearest["ratio"] < 1.0
+
+
+def products_win_at_run_time(dtype, elements):
+    """Return `products_win` as a boolean tensor, for a size known at run time.
+
+    Built from constants and `elements` only, so that XLA, which compiles
+    each input shape with its size known, folds it to a constant.
+
+    Args:
+        dtype: the input's dtype.
+        elements: the input's number of elements, an integer tensor.
+
+    Returns:
+        A scalar boolean tensor, `products_win(dtype, elements)`.
+
+    Example:
+    >>> import os, tempfile
+    >>> os.environ["KERAS_AMP_PLUS_CACHE_DIR"] = tempfile.mkdtemp()
+    >>> bool(products_win_at_run_time("float32", tf.constant(2**20)))
+    True
+    >>> del os.environ["KERAS_AMP_PLUS_CACHE_DIR"]
+    """
+    name = tf.as_dtype(dtype).name
+    cells = [cell for cell in cached_cells() if cell["dtype"] == name]
+    if not cells:
+        return tf.constant(True)
+    sizes = tf.constant([float(cell["elements"]) for cell in cells], tf.float64)
+    wins = tf.constant([cell["ratio"] < 1.0 for cell in cells])
+    octaves = tf.abs(tf.math.log(sizes / tf.cast(elements, tf.float64)) / math.log(2.0))
+    nearest = tf.argmin(octaves)  # the first of equals, as `min` takes
+    too_far = tf.gather(octaves, nearest) > NEAREST_OCTAVES
+    return tf.logical_or(too_far, tf.gather(wins, nearest))
 
 
 def measure_sums(

@@ -246,8 +246,9 @@ def swish_sigmoid_status(seconds: float, itex: dict | None = None) -> dict:
 
 
 # The instance-norm sums race inside XLA gets this many times the probe
-# budget: one pass over its 21 cells took about 11 s on an Intel Xeon (AMX).
-XLA_SUMS_BUDGET_FACTOR = 12
+# budget: one pass over its 21 cells, Keras's program timed beside, took
+# about 16 s on an Intel Xeon (AMX).
+XLA_SUMS_BUDGET_FACTOR = 18
 
 
 def xla_sums_status(seconds: float, itex: dict | None = None) -> dict:

@@ -616,6 +616,30 @@ def xla_step(layer, shape, input_signature=None):
     return step
 
 
+class InXlaStep:
+    """`layer` called inside a `jit_compile=True` function, as a model calls it.
+
+    Traced for inputs of `shape`, or with `any_batch` for any batch size (as
+    `fit` traces a `tf.data` pipeline without `drop_remainder`). Everything
+    else (build, weights, gamma, beta, epsilon) is the layer's.
+    """
+
+    def __init__(self, layer, shape, any_batch):
+        self.inner = layer
+        signature = None
+        if any_batch:
+            signature = [tf.TensorSpec((None, *shape[1:]), layer.compute_dtype)]
+        self.call_in_step = tf.function(
+            lambda x: layer(x), jit_compile=True, input_signature=signature
+        )
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, x):
+        return self.call_in_step(x)
+
+
 def hlo_without_names(hlo):
     """Return optimized HLO text without the names that differ between traces."""
     hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import (
+    InXlaStep,
     as_float64,
     check_normalization,
     float_inputs,
@@ -84,31 +85,12 @@ def test_inside_xla_differentiates_twice_like_float64(policy_name):
     np.testing.assert_allclose(as_float64(second), expected, rtol=0, atol=atol)
 
 
-class _InXlaStep:
-    """The layer called inside a `jit_compile=True` function, as a model calls it."""
-
-    def __init__(self, layer, shape, any_batch):
-        self.inner = layer
-        signature = None
-        if any_batch:
-            signature = [tf.TensorSpec((None, *shape[1:]), layer.compute_dtype)]
-        self.call_in_step = tf.function(
-            lambda x: layer(x), jit_compile=True, input_signature=signature
-        )
-
-    def __getattr__(self, name):  # build, weights, gamma, beta, epsilon
-        return getattr(self.inner, name)
-
-    def __call__(self, x):
-        return self.call_in_step(x)
-
-
 @pytest.mark.parametrize("any_batch", (False, True))
 @pytest.mark.parametrize("mean", (0.0, 100.0))
 @pytest.mark.parametrize("policy_name", POLICIES)
 def test_inside_xla_matches_float64(policy_name, mean, any_batch):
     policy = use_policy(policy_name)
-    layer = _InXlaStep(layers.InstanceNormalization(), SHAPE, any_batch)
+    layer = InXlaStep(layers.InstanceNormalization(), SHAPE, any_batch)
     check_normalization(layer, SHAPE, mean, policy, (1, 2), (1, 1, 1, 16))
 
 
@@ -123,5 +105,5 @@ def test_inside_xla_matches_float64(policy_name, mean, any_batch):
 )
 def test_other_layouts_inside_xla_match_float64(shape, axis, stat_axes, param_shape):
     policy = use_policy("mixed_bfloat16")
-    layer = _InXlaStep(layers.InstanceNormalization(axis=axis), shape, True)
+    layer = InXlaStep(layers.InstanceNormalization(axis=axis), shape, True)
     check_normalization(layer, shape, 100.0, policy, stat_axes, param_shape)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import (
+    InXlaStep,
     as_float64,
     check_normalization,
     float_inputs,
@@ -140,25 +141,6 @@ def test_traced_for_any_batch_xla_folds_the_choice_per_shape(
     assert " select(" not in products and " conditional(" not in products
 
 
-class _InXlaStep:
-    """The layer called inside a `jit_compile=True` function, as a model calls it."""
-
-    def __init__(self, layer, any_batch):
-        self.inner = layer
-        signature = None
-        if any_batch:
-            signature = [tf.TensorSpec((None, *SHAPE[1:]), layer.compute_dtype)]
-        self.call_in_step = tf.function(
-            lambda x: layer(x), jit_compile=True, input_signature=signature
-        )
-
-    def __getattr__(self, name):  # build, weights, gamma, beta, epsilon
-        return getattr(self.inner, name)
-
-    def __call__(self, x):
-        return self.call_in_step(x)
-
-
 @pytest.mark.parametrize("any_batch", (False, True))
 @pytest.mark.parametrize("mean", (0.0, 100.0))
 @pytest.mark.parametrize("policy_name", ("float32", "mixed_bfloat16", "mixed_float16"))
@@ -167,7 +149,7 @@ def test_where_the_products_lost_the_formula_matches_float64(
 ):
     policy = use_policy(policy_name)
     _write_cells({ELEMENTS: 1.2}, policy.compute_dtype)
-    layer = _InXlaStep(layers.InstanceNormalization(), any_batch)
+    layer = InXlaStep(layers.InstanceNormalization(), SHAPE, any_batch)
     check_normalization(layer, SHAPE, mean, policy, (1, 2), (1, 1, 1, 16))
     assert _dots_in_layer_step(policy_name, any_batch) == 0  # the formula ran
 

@@ -158,6 +158,24 @@ def fit_xla_status() -> dict:
 LAYER_PATHS_BUDGET_FACTOR = 40
 
 
+def _skipped_with_itex(itex: dict | None, **empty) -> dict | None:
+    """Return the status of a race left out because ITEX is loaded, else None.
+
+    ITEX's kernels replace TensorFlow's, so TensorFlow's are not raced; and
+    where its bfloat16 kernels abort the process a bfloat16 step would end
+    the doctor. `empty` adds the race's own keys, empty.
+    """
+    if itex is None or not itex.get("importable"):
+        return None
+    return {
+        "cache": None,
+        "measured_now": False,
+        "cells": [],
+        **empty,
+        "skipped": "ITEX is loaded: its kernels replace TensorFlow's",
+    }
+
+
 def layer_paths_status(seconds: float, itex: dict | None = None) -> dict:
     """Return the layers' measured graph-step paths, measuring them if needed.
 
@@ -177,13 +195,9 @@ def layer_paths_status(seconds: float, itex: dict | None = None) -> dict:
     """
     from keras_amp_plus.layers import _path_calibration
 
-    if itex is not None and itex.get("importable"):
-        return {
-            "cache": None,
-            "measured_now": False,
-            "cells": [],
-            "skipped": "ITEX is loaded: its kernels replace TensorFlow's",
-        }
+    skipped = _skipped_with_itex(itex)
+    if skipped is not None:
+        return skipped
 
     path = _path_calibration.cache_path()
     cells = _path_calibration.cached_cells()
@@ -222,14 +236,9 @@ def swish_sigmoid_status(seconds: float, itex: dict | None = None) -> dict:
     """
     from keras_amp_plus.layers import _swish_activation, _swish_calibration
 
-    if itex is not None and itex.get("importable"):
-        return {
-            "cache": None,
-            "measured_now": False,
-            "cells": [],
-            "thresholds": {},
-            "skipped": "ITEX is loaded: its kernels replace TensorFlow's",
-        }
+    skipped = _skipped_with_itex(itex, thresholds={})
+    if skipped is not None:
+        return skipped
     thresholds = _swish_activation.sigmoid_thresholds()
     cells = _swish_calibration.cached_cells()
     measured_now = not cells  # float32 always has a threshold
@@ -270,13 +279,9 @@ def xla_sums_status(seconds: float, itex: dict | None = None) -> dict:
     """
     from keras_amp_plus.layers import _xla_sums_calibration
 
-    if itex is not None and itex.get("importable"):
-        return {
-            "cache": None,
-            "measured_now": False,
-            "cells": [],
-            "skipped": "ITEX is loaded: its kernels replace TensorFlow's",
-        }
+    skipped = _skipped_with_itex(itex)
+    if skipped is not None:
+        return skipped
     cells = _xla_sums_calibration.cached_cells()
     measured_now = not cells
     if measured_now:

@@ -32,6 +32,7 @@ import time
 import tensorflow as tf
 
 from keras_amp_plus import _compat, _hardware
+from keras_amp_plus.layers import _validation
 
 FUSED_KERNELS = "fused_kernels"
 KERAS_FORMULA = "keras_formula"
@@ -483,11 +484,7 @@ def measure_paths(seconds: float = 30.0, reps: int = 11, passes: int = 2) -> dic
         "elements", "unknown_batch", "ratios" (each path's CPU time / the
         formula's), "passes", "path" (the winner)}]}`.
     """
-    if not tf.executing_eagerly():
-        raise RuntimeError(
-            "`measure_paths` times steps of its own and must run eagerly, not "
-            "inside a tf.function. Call it outside of any traced function."
-        )
+    _validation.check_eager("measure_paths")
     specs = _raced_cells()
     measured = race_in_passes(
         specs, lambda spec: _race_cell(*spec, reps), seconds, passes

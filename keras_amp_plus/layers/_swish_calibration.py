@@ -15,12 +15,9 @@ race), and caches the ratios in
 without a measurement the layer's own table applies.
 """
 
-import math
-import statistics
-
 import tensorflow as tf
 
-from keras_amp_plus.layers import _path_calibration
+from keras_amp_plus.layers import _path_calibration, _ratio_race
 
 # One octave apart around the thresholds measured so far (2**19 to 2**23).
 RACED_SHAPES = ((512, 1024), (1024, 1024), (1024, 2048), (2048, 2048), (4096, 2048))
@@ -120,28 +117,15 @@ def measure_recompute(
         `{"path": cache file, "cells": [{"dtype", "shape", "elements",
         "ratio" (recomputing's CPU time / keeping's), "passes"}]}`.
     """
-    if not tf.executing_eagerly():
-        raise RuntimeError(
-            "`measure_recompute` times steps of its own and must run eagerly, "
-            "not inside a tf.function. Call it outside of any traced function."
-        )
     specs = [(name, shape) for name in dtype_names for shape in RACED_SHAPES]
-    measured = _path_calibration.race_in_passes(
-        specs, lambda spec: _recompute_ratio(*spec, reps), seconds, passes
+    return _ratio_race.race_ratio_cells(
+        "measure_recompute",
+        specs,
+        lambda dtype_name, shape: _recompute_ratio(dtype_name, shape, reps),
+        cache_path(),
+        seconds,
+        passes,
     )
-    cells = [
-        {
-            "dtype": specs[index][0],
-            "shape": list(specs[index][1]),
-            "elements": math.prod(specs[index][1]),
-            "ratio": statistics.geometric_mean(ratios),
-            "passes": len(ratios),
-        }
-        for index, ratios in measured.items()
-    ]
-    path = cache_path()
-    _path_calibration.write_cells(path, cells)
-    return {"path": path, "cells": cells}
 
 
 def _recompute_ratio(dtype_name, shape, reps) -> float:

@@ -5,6 +5,7 @@ import numbers
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from keras_amp_plus import _compat
 
@@ -119,4 +120,17 @@ def check_float_input(inputs, layer_name: str, argument: str = "inputs") -> None
             f"{layer_name} accepts floating-point inputs only. Cast the input "
             "to a float dtype first (e.g. `keras.ops.cast(x, 'float32')`). "
             f"Received: {argument}.dtype={dtype}"
+        )
+
+
+def check_eager(function_name: str) -> None:
+    """Raise RuntimeError when called inside a `tf.function`.
+
+    For the races, which trace, compile and time steps of their own: inside
+    a traced function they would time nothing.
+    """
+    if not tf.executing_eagerly():
+        raise RuntimeError(
+            f"`{function_name}` times steps of its own and must run eagerly, not "
+            "inside a tf.function. Call it outside of any traced function."
         )

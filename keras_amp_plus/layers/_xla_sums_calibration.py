@@ -24,12 +24,11 @@ input's size the products run.
 
 import math
 import os
-import statistics
 
 import tensorflow as tf
 
 from keras_amp_plus import _hardware
-from keras_amp_plus.layers import _path_calibration
+from keras_amp_plus.layers import _path_calibration, _ratio_race
 
 # The graph-step race's instance-norm shapes: 2**16 to 2**22 elements.
 RACED_SHAPES = _path_calibration.MIDDLE_SHAPES
@@ -155,28 +154,15 @@ def measure_sums(
         `{"path": cache file, "cells": [{"dtype", "shape", "elements",
         "ratio" (the products' CPU time / the formula's), "passes"}]}`.
     """
-    if not tf.executing_eagerly():
-        raise RuntimeError(
-            "`measure_sums` times steps of its own and must run eagerly, not "
-            "inside a tf.function. Call it outside of any traced function."
-        )
     specs = [(name, shape) for shape in RACED_SHAPES for name in dtype_names]
-    measured = _path_calibration.race_in_passes(
-        specs, lambda spec: _products_ratio(*spec, reps), seconds, passes
+    return _ratio_race.race_ratio_cells(
+        "measure_sums",
+        specs,
+        lambda dtype_name, shape: _products_ratio(dtype_name, shape, reps),
+        cache_path(),
+        seconds,
+        passes,
     )
-    cells = [
-        {
-            "dtype": specs[index][0],
-            "shape": list(specs[index][1]),
-            "elements": math.prod(specs[index][1]),
-            "ratio": statistics.geometric_mean(ratios),
-            "passes": len(ratios),
-        }
-        for index, ratios in measured.items()
-    ]
-    path = cache_path()
-    _path_calibration.write_cells(path, cells)
-    return {"path": path, "cells": cells}
 
 
 def _products_ratio(dtype_name, shape, reps) -> float:

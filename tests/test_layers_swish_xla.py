@@ -113,19 +113,73 @@ def _exponentials_in_compiled_step(layer, dtype, shape=SHAPE, any_batch=False):
 
 
 @pytest.mark.parametrize("any_batch", (False, True))
-@pytest.mark.parametrize("policy_name", ("float32", "mixed_float16"))
-def test_where_the_sigmoid_is_kept_xla_runs_keras_own_program(
-    policy_name, any_batch, monkeypatch
-):
-    # float32 below the threshold and float16 compile to exactly the program
-    # of Keras's `Activation("swish")`: no slower, by construction.
+def test_float16_keeps_the_sigmoid_as_keras_own_program_does(any_batch, monkeypatch):
+    # float16 with float16 arithmetic compiles to exactly the program of
+    # Keras's `Activation("swish")`: no slower, by construction.
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: False)
-    compute = use_policy(policy_name).compute_dtype
+    compute = use_policy("mixed_float16").compute_dtype
     ours = _optimized_hlo(layers.Swish(), compute, any_batch=any_batch)
     keras_own = _optimized_hlo(
         keras.layers.Activation("swish"), compute, any_batch=any_batch
     )
     assert hlo_without_names(ours) == hlo_without_names(keras_own)
+
+
+def _tensors_written(hlo):
+    """Return how many input-sized tensors the compiled step's entry writes."""
+    entry = hlo[hlo.index("ENTRY") :].splitlines()
+    return sum(
+        f"[{SHAPE[0]},{SHAPE[1]}]" in line and " fusion(" in line for line in entry
+    )
+
+
+@pytest.mark.parametrize("any_batch", (False, True))
+def test_float32_reads_the_sigmoid_off_its_output(any_batch, monkeypatch):
+    # Below the threshold a float32 backward pass divides the output (which
+    # the next layer reads anyway) by the input: the step writes its two
+    # results only, with one exponential. Keras's program also writes the
+    # sigmoid it keeps between the passes.
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: False)
+    use_policy("float32")
+    ours = _optimized_hlo(layers.Swish(), "float32", any_batch=any_batch)
+    keras_own = _optimized_hlo(
+        keras.layers.Activation("swish"), "float32", any_batch=any_batch
+    )
+    assert ours.count(" exponential(") == 1
+    assert _tensors_written(ours) == 2
+    assert _tensors_written(keras_own) == 3
+
+
+# Zero, subnormal and tiny inputs (the sigmoid is 0.5 there), both tails,
+# one input whose output underflows (-200) and ordinary values.
+EDGE_INPUTS = (0.0, 1e-40, -1e-40, 1e-31, -1e-29, 1e-3, -88.0, -100.0, -200.0)
+EDGE_INPUTS += (30.0, 90.0, -1.2785, 2.5, -3.0)
+
+
+@pytest.mark.parametrize("beta", (1.0, 1.5, -0.7))
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+def test_the_sigmoid_read_off_the_output_matches_float64_at_the_edges(dtype, beta):
+    layer = layers.Swish(beta=beta, trainable_beta=True, dtype=dtype)
+    shape = (1, len(EDGE_INPUTS))
+    step = xla_step(layer, shape)
+    x64 = np.array([EDGE_INPUTS])
+    upstream64 = np.linspace(0.5, 1.5, len(EDGE_INPUTS))[None]
+    x, upstream = tf.constant(x64, dtype), tf.constant(upstream64, dtype)
+    outputs, (x_grad, beta_grad) = step(x, upstream)
+    hlo = step.experimental_get_compiler_ir(x, upstream)("optimized_hlo")
+    assert hlo.count(" exponential(") == 1  # the output's: none recomputed
+    beta64 = float(np.float32(beta))  # the float32 weight's value
+    outputs64, x_grad64, beta_grad64 = swish_reference(
+        as_float64(x), upstream64, beta64
+    )
+    # Float32 arithmetic: the sigmoid's far tail scales the rounding of its
+    # argument by that argument (up to 63 here), the slope's zero (-1.2785)
+    # cancels terms of about 1, and in float32 XLA flushes a subnormal
+    # sigmoid (at -88) to zero, as in Keras's program.
+    for actual, expected in ((outputs, outputs64), (x_grad, x_grad64)):
+        atol = 1e-7 * np.abs(expected).max() + (1e-35 if dtype == "float32" else 0)
+        np.testing.assert_allclose(as_float64(actual), expected, rtol=1e-5, atol=atol)
+    np.testing.assert_allclose(as_float64(beta_grad), beta_grad64, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """Swish: `x * sigmoid(beta * x)` with a memory-saving fused gradient."""
 
+import functools
 import numbers
 
 import keras
@@ -15,8 +16,10 @@ from keras_amp_plus.layers import (
 from keras_amp_plus.layers._precision import statistics_dtype
 
 # Inside XLA, inputs from this many elements on recompute the sigmoid in the
-# backward pass instead of keeping a float32 copy between the passes (16 MiB
-# and up): float32 (or wider) inputs, and bfloat16 ones with TensorFlow's
+# backward pass instead of reading it off the output (float32 or wider
+# inputs: recomputing and reading tied from 4M elements on an Intel Xeon with
+# AMX, reading won below) or keeping a float32 copy between the passes
+# (16 MiB and up): bfloat16 inputs with TensorFlow's
 # oneDNN kernels off, whose 32 MiB copy is above glibc's largest mmap
 # threshold, so each step maps and faults it in afresh (TensorFlow's
 # allocator hands such buffers to the system allocator unless oneDNN's pool
@@ -45,15 +48,16 @@ def _swish_forward(x, beta):
     return _swish_values(x, beta)
 
 
-def _swish_gradients(upstream, x, beta, with_beta_grad, sigmoid=tf.sigmoid):
+def _swish_gradients(upstream, x, beta, with_beta_grad, gate_of=None):
     """Return the gradients of `x * sigmoid(beta * x)` for x and beta.
 
-    The sigmoid is recomputed from x here instead of being kept from the
-    forward pass: the backward pass needs only x.
+    `gate_of(x_wide)` returns `sigmoid(beta * x)` from `x` in `beta`'s
+    dtype; by default it is recomputed from x (`tf.sigmoid`) instead of
+    being kept from the forward pass: the backward pass needs only x.
     """
     x_wide = tf.cast(x, beta.dtype)
     upstream_wide = tf.cast(upstream, beta.dtype)
-    gate = sigmoid(beta * x_wide)
+    gate = tf.sigmoid(beta * x_wide) if gate_of is None else gate_of(x_wide)
     slope = gate * (1.0 + beta * x_wide * (1.0 - gate))
     x_grad = tf.cast(upstream_wide * slope, x.dtype)
     if not with_beta_grad:
@@ -115,15 +119,47 @@ def _sigmoid_apart(z):
     return 1.0 / (1.0 + half * half)
 
 
+# Below this magnitude the output says nothing of the sigmoid (it may be
+# flushed to zero), which is 0.5 there to within float64's rounding.
+_SIGMOID_FROM_OUTPUT_MIN_MAGNITUDE = 1e-30
+
+
+def _sigmoid_from_output(outputs, x_wide):
+    """`sigmoid(beta * x)` as `outputs / x`, for outputs as wide as the arithmetic.
+
+    The output of a layer is in memory anyway (the next layer reads it), so
+    the backward pass reading it keeps no tensor of its own between the
+    passes and computes no exponential: one division. Rounded once, the
+    output holds the sigmoid to within two roundings, as the exponential
+    form does; where `x` is about zero, the sigmoid is 0.5.
+    """
+    outputs_wide = tf.cast(outputs, x_wide.dtype)
+    about_zero = tf.abs(x_wide) < _SIGMOID_FROM_OUTPUT_MIN_MAGNITUDE
+    ratio = outputs_wide / tf.where(about_zero, tf.ones_like(x_wide), x_wide)
+    return tf.where(about_zero, tf.constant(0.5, x_wide.dtype), ratio)
+
+
+def _output_holds_the_sigmoid(x, beta) -> bool:
+    """Return whether the output of `x` is as wide as Swish's arithmetic.
+
+    Then the backward pass reads the sigmoid off it (`_sigmoid_from_output`)
+    instead of keeping one; a half-precision output holds it to about 1%.
+    """
+    return x.dtype.size >= beta.dtype.size
+
+
 def _recompute_threshold(x) -> int | None:
     """Return the size from which XLA had better recompute the sigmoid, or None.
 
-    A kept sigmoid is a float32 tensor (the arithmetic's dtype) written in the
-    forward pass and read in the backward one; recomputing it costs one more
-    exponential per element. As measured (`benchmarks/layers.py`), the
-    exponential costs more for small inputs (on CPUs without AVX-512 most),
-    the memory traffic for large ones: float32 inputs recompute it from
-    `RECOMPUTE_SIGMOID_MIN_ELEMENTS` on, bfloat16 inputs (whose own size is
+    Below it, float32 (and wider) inputs read the sigmoid off their output
+    (`_sigmoid_from_output`: one more read of a tensor in memory anyway, a
+    division); half-precision ones keep it, a float32 tensor (the
+    arithmetic's dtype) written in the forward pass and read in the backward
+    one. Recomputing it costs one more exponential per element. As measured
+    (`benchmarks/layers.py`), the exponential costs more for small inputs (on
+    CPUs without AVX-512 most), the memory traffic for large ones: float32
+    inputs recompute it from `RECOMPUTE_SIGMOID_MIN_ELEMENTS` on, bfloat16
+    inputs (whose own size is
     half the kept sigmoid's) only where TensorFlow's oneDNN kernels are off,
     float16 inputs where the CPU lacks float16 arithmetic. float16 inputs on
     a CPU with it keep it (Keras's formula with a fixed `beta`,
@@ -197,7 +233,9 @@ def threshold_family(dtype) -> str | None:
 def _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, recompute):
     """Swish whose backward pass recomputes the sigmoid or reads the kept one.
 
-    `recompute` is True, or for inputs whose size is unknown when
+    The kept one is the output where it is as wide as the arithmetic
+    (`_output_holds_the_sigmoid`), else the forward pass's sigmoid.
+    `recompute` is True or False, or for inputs whose size is unknown when
     the step is traced (an unknown batch size, as `fit` traces a `tf.data`
     pipeline) a scalar boolean tensor, whether that size reaches the
     threshold: XLA compiles each input shape with its sizes known, so it
@@ -209,18 +247,26 @@ def _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, recompute):
 
     @tf.custom_gradient
     def swish_with_gradient(x, beta):
+        outputs = _swish_values(x, beta)
+
         def grad(upstream):
-            def gradients_with(sigmoid):
+            def gradients_with(gate_of):
                 return lambda: _swish_gradients(
-                    upstream, x, beta, with_beta_grad, sigmoid=sigmoid
+                    upstream, x, beta, with_beta_grad, gate_of=gate_of
                 )
 
-            recomputed = gradients_with(_sigmoid_apart)
+            recomputed = gradients_with(lambda x_wide: _sigmoid_apart(beta * x_wide))
+            if _output_holds_the_sigmoid(x, beta):
+                kept = gradients_with(functools.partial(_sigmoid_from_output, outputs))
+            else:
+                kept = gradients_with(None)  # XLA merges it with the forward's
             if recompute is True:
                 return recomputed()
-            return tf.cond(recompute, recomputed, gradients_with(tf.sigmoid))
+            if recompute is False:
+                return kept()
+            return tf.cond(recompute, recomputed, kept)
 
-        return _swish_values(x, beta), grad
+        return outputs, grad
 
     return swish_with_gradient(x, beta)
 
@@ -233,10 +279,13 @@ def _swish_for_xla(x, beta, with_beta_grad):
     inlined into the model's cluster and win nothing. The arithmetic runs in
     `beta`'s dtype (float32 or wider) and the result is rounded once. The
     backward pass recomputes the sigmoid from x where that is faster than
-    keeping it (`_recompute_threshold`); where XLA keeps it, it is
-    TensorFlow's `silu` gradient, except for float16 inputs with a fixed
-    `beta` on a CPU with float16 arithmetic (AVX512-FP16): there Keras's own
-    formula, in float16, which was faster there than widening to float32.
+    keeping it (`_recompute_threshold`). Elsewhere a float32 (or wider)
+    input's backward pass reads it off the output, which the next layer
+    reads anyway (Keras's program keeps a copy of its own); a half-precision
+    one's keeps it, as TensorFlow's `silu` gradient does, except for float16
+    inputs with a fixed `beta` on a CPU with float16 arithmetic
+    (AVX512-FP16): there Keras's own formula, in float16, which was faster
+    there than widening to float32.
     Without that arithmetic each float16 operation is widened and rounded
     back on its own, and the widened formula was faster.
     """
@@ -248,6 +297,8 @@ def _swish_for_xla(x, beta, with_beta_grad):
             return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, large)
         if elements >= threshold:
             return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, True)
+    if _output_holds_the_sigmoid(x, beta):
+        return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, False)
     native_float16 = x.dtype == tf.float16 and not _precision.emulated_float16(x.dtype)
     if native_float16 and not with_beta_grad:
         return tf.nn.silu(x, tf.cast(beta, x.dtype))
@@ -393,9 +444,11 @@ class Swish(keras.layers.Layer):
     gradient recomputes the sigmoid instead of storing it, so a training step
     keeps no more than `Activation("swish")` does. Inside a compiled model
     the backward pass recomputes it only for inputs large enough that this
-    was faster (`_recompute_threshold`; XLA knows every size); elsewhere XLA
-    keeps the sigmoid between the passes, in float32 (where float16 runs
-    Keras's formula: in float16), as that was faster. XLA
+    was faster (`_recompute_threshold`; XLA knows every size); elsewhere a
+    float32 input's backward pass reads the sigmoid off the output (one
+    division), and a half-precision one's keeps it between the passes, in
+    float32 (where float16 runs Keras's formula: in float16), as that was
+    faster. XLA
     compiles a kernel per input shape, so inputs whose length changes from
     batch to batch are padded to one of two sizes per power of two (bounded
     compilations). With

@@ -1,10 +1,12 @@
 """Measured sigmoid choice for Swish inside XLA: once per CPU model and TensorFlow.
 
 Inside a step XLA compiles whole, Swish's backward pass either reads the
-sigmoid its forward pass kept (a float32 tensor written and read once more)
-or recomputes it from the input (one more exponential per element). From
-which size recomputing pays depends on the CPU: for float32 two CPUs measured
-thresholds two octaves apart (`benchmarks/swish_xla.py`, README's "Measured").
+sigmoid kept from the forward pass (a float32 or wider input's: off the
+output, one division; a half-precision one's: a float32 tensor written and
+read once more) or recomputes it from the input (one more exponential per
+element). From which size recomputing pays depends on the CPU: for float32
+two CPUs measured thresholds two octaves apart when float32 kept a copy of
+its own (`benchmarks/swish_xla.py`, README's "Measured").
 `measure_recompute`
 times both forms at a few sizes per input precision that has a threshold on
 this machine (`_swish_activation._recompute_threshold`), forward + backward,
@@ -27,7 +29,7 @@ RACED_SHAPES = ((512, 1024), (1024, 1024), (1024, 2048), (2048, 2048), (4096, 20
 CLEAR_WIN = 0.95
 # Part of the cache file's name: raise it when either raced form or the way
 # they are timed changes.
-REVISION = 2
+REVISION = 3
 # The threshold of a precision whose sigmoid is kept at every size: more
 # elements than any tensor holds.
 NEVER = 2**62
@@ -102,7 +104,7 @@ def measure_recompute(
 
     Runs eagerly (never inside a `tf.function`). Cells are measured per
     dtype, smallest first, then again, `passes` times in all, until
-    `seconds` of wall time are spent (`_path_calibration.race_in_passes`);
+    `seconds` of wall time are spent (`_ratio_race.race_ratio_cells`);
     a cell's ratio is the geometric mean over its passes. The cells done are
     cached.
 

@@ -139,7 +139,7 @@ def measure_sums(
     Runs eagerly (never inside a `tf.function`). Cells are measured per
     size, smallest first, each in every precision, then again, `passes`
     times in all, until `seconds` of wall time are spent
-    (`_path_calibration.race_in_passes`); a cell's ratio is the geometric
+    (`_ratio_race.race_ratio_cells`); a cell's ratio is the geometric
     mean over its passes. The cells done are cached.
 
     Args:

@@ -152,8 +152,10 @@ def _xla_step(shape, dtype_name, recompute):
     def step(x, upstream):
         with tf.GradientTape() as tape:
             tape.watch(x)
+            # A Python bool, as the layer passes for a size known at trace
+            # time: each form's program alone.
             outputs = _swish_activation._swish_choosing_backward_sigmoid(
-                x, beta, False, tf.constant(recompute)
+                x, beta, False, recompute
             )
         # The outputs too, as the next layer reads them: without them XLA
         # fuses the forward's sigmoid into the backward and both forms agree.

@@ -3,18 +3,19 @@
 Inside a step XLA compiles whole, the Swish layer is plain ops; what it
 chooses there is whether to compute in the input's dtype (Keras's
 `Activation("swish")`, `tf.nn.silu`) or widened to float32 and rounded once,
-and whether the backward pass keeps the forward's sigmoid or recomputes it
-(`_swish_activation._recompute_threshold`). This script times one forward +
-backward step (`jit_compile=True`, the input's gradient) of each form and of
-a float32 multiply (the affine reference of `benchmarks/layers.py`) and of a
-form the layer rejects, the sigmoid as `0.5 + 0.5 * tanh(z / 2)` (XLA's
-CPU tanh is a rational approximation, no exponential), whose lower tail
-the script measures too (relative error against float64 where the
-sigmoid is below 1e-4; the exponential's form is exact to a few ulps there),
-interleaved in an order shuffled each round (`layers.time_interleaved`: more
-rounds for cheap cells), median process CPU time, at
-Swish shapes of the layer grid and below, per dtype; prints each form's time
-as a ratio to Keras's formula and writes JSON named per CPU kind.
+and whether the backward pass keeps the forward's sigmoid (float32: reads it
+off the output) or recomputes it (`_swish_activation._recompute_threshold`).
+This script times one forward + backward step (`jit_compile=True`, the
+input's gradient) of each form, of a float32 multiply (the affine reference
+of `benchmarks/layers.py`) and of a form the layer rejects, the sigmoid as
+`0.5 + 0.5 * tanh(z / 2)` (XLA's CPU tanh is a rational approximation, no
+exponential), whose lower tail the script measures too (relative error
+against float64 where the sigmoid is below 1e-4; the exponential's form is
+exact to a few ulps there), interleaved in an order shuffled each round
+(`layers.time_interleaved`: more rounds for cheap cells), median process
+CPU time, at Swish shapes of the layer grid and below, per dtype; prints
+each form's time as a ratio to Keras's formula and writes JSON named per
+CPU kind.
 
 Usage: python benchmarks/swish_xla.py [--quick] [--reps N] [--dtypes ...]
     [--output PATH]
@@ -51,10 +52,12 @@ def keras_formula(x):
 
 
 def widened_kept(x):
-    """float32 arithmetic, rounded once; the backward reads the kept sigmoid."""
+    """float32 arithmetic, rounded once; the backward reads the kept sigmoid.
+
+    A float32 input's is its output (`_swish_activation._sigmoid_from_output`).
+    """
     beta = tf.constant(ONE, tf.float32)
-    keep = tf.constant(False)
-    return _swish_activation._swish_choosing_backward_sigmoid(x, beta, False, keep)
+    return _swish_activation._swish_choosing_backward_sigmoid(x, beta, False, False)
 
 
 def widened_recomputed(x):

@@ -415,12 +415,15 @@ def test_swish_sigmoid_line_names_each_threshold():
     never = _swish_calibration.NEVER  # keeping won at the largest raced size
     kept = {**status, "thresholds": {"float32": never, "bfloat16": 2**23}}
     assert doctor_text._swish_sigmoid_line(kept) == (
-        "recomputes the sigmoid: bfloat16 from 8M elements; keeps it in float32 "
-        "(cached)"
+        "recomputes the sigmoid: bfloat16 from 8M elements; reads it off the "
+        "output in float32 (cached)"
     )
     assert doctor_text._swish_sigmoid_line(
-        {**status, "thresholds": {"float32": never}}
-    ) == ("keeps the sigmoid in every precision here (cached)")
+        {**status, "thresholds": {"float32": never, "float16": never}}
+    ) == (
+        "never recomputes the sigmoid here; keeps it in float16; reads it off the "
+        "output in float32 (cached)"
+    )
 
 
 def test_jit_probe_measures_both_modes_and_restores_the_policy():

@@ -129,14 +129,27 @@ def _swish_sigmoid_line(swish: dict | None) -> str:
     recomputed = {
         name: count for name, count in swish["thresholds"].items() if count < NEVER
     }
+    kept = [name for name in swish["thresholds"] if name not in recomputed]
     if not recomputed:
-        return f"keeps the sigmoid in every precision here ({when})"
+        return f"never recomputes the sigmoid here{_kept_note(kept)} ({when})"
     sizes = ", ".join(
         f"{name} from {_elements(count)}" for name, count in recomputed.items()
     )
-    kept = [name for name in swish["thresholds"] if name not in recomputed]
-    keeps = f"; keeps it in {', '.join(kept)}" if kept else ""
-    return f"recomputes the sigmoid: {sizes} elements{keeps} ({when})"
+    return f"recomputes the sigmoid: {sizes} elements{_kept_note(kept)} ({when})"
+
+
+def _kept_note(names) -> str:
+    """Return what Swish's backward pass reads instead, for precisions `names`.
+
+    A float32 output holds the sigmoid (`_swish_activation._sigmoid_from_output`);
+    half-precision inputs keep a float32 copy between the passes.
+    """
+    read = [name for name in names if name == "float32"]
+    kept = [name for name in names if name != "float32"]
+    parts = [f"keeps it in {', '.join(kept)}"] if kept else []
+    if read:
+        parts.append("reads it off the output in float32")
+    return "".join(f"; {part}" for part in parts)
 
 
 def _xla_sums_line(xla_sums: dict | None) -> str:

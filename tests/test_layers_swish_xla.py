@@ -303,3 +303,35 @@ def test_float16_fit_with_jit_compile_without_float16_arithmetic(monkeypatch):
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-3)
     for mine, keras_weight in zip(ours[1], theirs[1], strict=True):
         np.testing.assert_allclose(mine, keras_weight, rtol=1e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize("trainable_beta", (False, True))
+def test_a_gradient_penalty_through_the_output_read_sigmoid_matches_float64(
+    trainable_beta,
+):
+    # The backward pass reads the forward's output: autodiff of that
+    # gradient (a penalty on it) must still see the output's dependence on x.
+    use_policy("float32")
+    layer = layers.Swish(trainable_beta=trainable_beta)
+    layer.build((4, 8))
+    x = tf.constant(np.random.default_rng(0).normal(0.0, 2.0, (4, 8)), tf.float32)
+
+    @tf.function(jit_compile=True)
+    def penalty_gradient(x):
+        with tf.GradientTape() as outer:
+            outer.watch(x)
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                outputs = layer(x)
+            slope = inner.gradient(outputs, x)
+            penalty = tf.reduce_sum(slope * slope)
+        return outer.gradient(penalty, x)
+
+    x64 = as_float64(x)
+    sigmoid = 1.0 / (1.0 + np.exp(-x64))
+    slope = sigmoid * (1.0 + x64 * (1.0 - sigmoid))
+    curvature = sigmoid * (1.0 - sigmoid) * (2.0 + x64 * (1.0 - 2.0 * sigmoid))
+    expected = 2.0 * slope * curvature
+    np.testing.assert_allclose(
+        as_float64(penalty_gradient(x)), expected, rtol=0, atol=1e-5
+    )

@@ -144,10 +144,9 @@ def _kept_note(names) -> str:
     A float32 output holds the sigmoid (`_swish_activation._sigmoid_from_output`);
     half-precision inputs keep a float32 copy between the passes.
     """
-    read = [name for name in names if name == "float32"]
     kept = [name for name in names if name != "float32"]
     parts = [f"keeps it in {', '.join(kept)}"] if kept else []
-    if read:
+    if "float32" in names:
         parts.append("reads it off the output in float32")
     return "".join(f"; {part}" for part in parts)
 

@@ -306,6 +306,19 @@ def _octaves_apart(cell, elements):
     return abs(math.log2(cell["elements"]) - math.log2(elements))
 
 
+def raced_inputs(shape, dtype):
+    """Return `(x, upstream)`, the seeded input and upstream gradient every race times.
+
+    Example:
+    >>> x, upstream = raced_inputs((2, 3), "bfloat16")
+    >>> x.dtype.name, tuple(upstream.shape)
+    ('bfloat16', (2, 3))
+    """
+    x = tf.cast(tf.random.stateless_normal(shape, (1, 2), mean=0.5), dtype)
+    upstream = tf.cast(tf.random.stateless_normal(shape, (3, 4)), dtype)
+    return x, upstream
+
+
 def _step(normalize, shape, dtype, unknown_batch):
     """Return a graph step (forward + backward) of `normalize` and its inputs.
 
@@ -316,8 +329,7 @@ def _step(normalize, shape, dtype, unknown_batch):
     trailing = len(shape) == 2
     stat_axes = (1,) if trailing else (1, 2)
     params = [1, shape[1]] if trailing else [1, 1, 1, shape[-1]]
-    x = tf.cast(tf.random.stateless_normal(shape, (1, 2), mean=0.5), dtype)
-    upstream = tf.cast(tf.random.stateless_normal(shape, (3, 4)), dtype)
+    x, upstream = raced_inputs(shape, dtype)
     gamma, beta = tf.ones(params), tf.zeros(params)
 
     signature = None

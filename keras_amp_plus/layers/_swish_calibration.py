@@ -144,8 +144,7 @@ def _xla_step(shape, dtype_name, recompute):
     """Return a `jit_compile=True` forward + backward step of one form."""
     from keras_amp_plus.layers import _swish_activation
 
-    x = tf.cast(tf.random.stateless_normal(shape, (1, 2), mean=0.5), dtype_name)
-    upstream = tf.cast(tf.random.stateless_normal(shape, (3, 4)), dtype_name)
+    x, upstream = _path_calibration.raced_inputs(shape, dtype_name)
     beta = tf.constant(1.0, tf.float32)
 
     @tf.function(jit_compile=True)

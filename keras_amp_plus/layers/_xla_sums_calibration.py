@@ -182,13 +182,6 @@ def _products_ratio(dtype_name, shape, reps) -> float:
     return medians[True] / medians[False]
 
 
-def _inputs(shape, dtype_name):
-    """Return the raced input and upstream gradient."""
-    x = tf.cast(tf.random.stateless_normal(shape, (1, 2), mean=0.5), dtype_name)
-    upstream = tf.cast(tf.random.stateless_normal(shape, (3, 4)), dtype_name)
-    return x, upstream
-
-
 def _keras_step(shape, dtype_name):
     """Return a `jit_compile=True` step of Keras's instance norm, the neighbour."""
     import keras
@@ -196,7 +189,7 @@ def _keras_step(shape, dtype_name):
     policy = "float32" if dtype_name == "float32" else f"mixed_{dtype_name}"
     layer = keras.layers.GroupNormalization(groups=-1, dtype=policy)
     layer.build(shape)
-    x, upstream = _inputs(shape, dtype_name)
+    x, upstream = _path_calibration.raced_inputs(shape, dtype_name)
 
     @tf.function(jit_compile=True)
     def step(x, upstream):
@@ -218,7 +211,7 @@ def _xla_step(shape, dtype_name, products):
         if products
         else _keras_formula.normalize_by_reductions
     )
-    x, upstream = _inputs(shape, dtype_name)
+    x, upstream = _path_calibration.raced_inputs(shape, dtype_name)
     weight_shape = [1] * (len(shape) - 1) + [shape[-1]]
     gamma = tf.random.stateless_uniform(weight_shape, (5, 6), 0.5, 1.5)
     beta = tf.random.stateless_normal(weight_shape, (7, 8))

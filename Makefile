@@ -51,7 +51,8 @@ test-itex: $(ITEX_PY)
 bench-itex: $(ITEX_PY)
 	$(ITEX_PY) benchmarks/itex_stack.py
 
-# The full runs behind the README's "Measured" section (about 30 min, quiet machine).
+# The full runs behind the README's "Measured" section and benchmarks/README.md
+# (about 30 min, quiet machine).
 bench: $(PY)
 	$(PY) benchmarks/layers.py --control --floor
 	$(PY) benchmarks/paths.py --layers IN LN

@@ -81,3 +81,26 @@ def test_readme_files_exist():
     paths = images + re.findall(r"`((?:notebooks|scripts)/[\w./]+)`", text)
     missing = [path for path in paths if not (ROOT / path).exists()]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("doc", ["README.md", "benchmarks/README.md"])
+def test_benchmark_files_named_in_the_docs_exist(doc):
+    # The figures cite the script that measured them and the JSON it wrote.
+    text = (ROOT / doc).read_text()
+    paths = re.findall(r"`(benchmarks/[\w./-]+\.(?:py|json))", text)
+    paths += [
+        f"benchmarks/{name}" for name in re.findall(r"^\| `(\w+\.py)` \|", text, re.M)
+    ]
+    assert paths, f"{doc} cites no benchmark"
+    missing = [path for path in paths if not (ROOT / path).exists()]
+    assert not missing, missing
+
+
+def test_every_benchmark_script_is_listed():
+    listed = set(
+        re.findall(
+            r"^\| `(\w+\.py)` \|", (ROOT / "benchmarks/README.md").read_text(), re.M
+        )
+    )
+    scripts = {path.name for path in (ROOT / "benchmarks").glob("*.py")}
+    assert scripts - {"machine.py"} == listed

@@ -5,7 +5,7 @@ With oneDNN off (TensorFlow's default on CPUs without AVX-512) and
 and glibc maps large ones afresh and page-faults them in at every step:
 steps on large tensors, Keras's layers' and ours, run slower than with the
 BFC allocator, and whether a layer's larger temporaries hit it depends on
-what the process freed before (README, "Measured"). TensorFlow reads the
+what the process freed before (`benchmarks/README.md`). TensorFlow reads the
 variable at start-up, so the monitor cannot set it, only say so before the
 first step.
 """

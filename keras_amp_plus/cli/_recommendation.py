@@ -139,7 +139,7 @@ def _allocator_note(onednn, allocator_env) -> str | None:
         "off TensorFlow allocates tensors with malloc, which maps tensors of "
         "16 MiB and more afresh (and page-faults them in) on every step; the "
         "BFC allocator pools them, and steps on large tensors, Keras's layers' "
-        "and ours, run faster (see the README)"
+        "and ours, run faster (see benchmarks/README.md)"
     )
 
 

@@ -7,8 +7,8 @@ implementation computes the same result either way, but not at the same
 speed: XLA reduces the weights' gradients over two leading axes in a slower
 loop than over one. Flattened, both the fused kernels and Keras's formula
 ran faster inside XLA-compiled steps, and the kernels in graph steps too
-(`benchmarks/layers.py` feeds its layer-norm cells this way; the README has
-the figures).
+(`benchmarks/layers.py` feeds its layer-norm cells this way;
+`benchmarks/README.md` has the figures).
 """
 
 import math

@@ -6,7 +6,7 @@ output, one division; a half-precision one's: a float32 tensor written and
 read once more) or recomputes it from the input (one more exponential per
 element). From which size recomputing pays depends on the CPU: for float32
 two CPUs measured thresholds two octaves apart when float32 kept a copy of
-its own (`benchmarks/swish_xla.py`, README's "Measured").
+its own (`benchmarks/swish_xla.py`, `benchmarks/README.md`).
 `measure_recompute`
 times both forms at a few sizes per input precision that has a threshold on
 this machine (`_swish_activation._recompute_threshold`), forward + backward,

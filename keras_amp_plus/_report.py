@@ -235,7 +235,7 @@ class PrecisionReport(dict):
             headline += " (XLA-compiled: graph rewrites do not apply)"
         header = ("layer", "class", "policy", "compute", "variables")
         rows = [
-            tuple(row[key] for key in ("path", "class_name", "policy"))
+            tuple(row[key] for key in ("chain", "class_name", "policy"))
             + tuple(row[key] for key in ("compute_dtype", "variable_dtype"))
             for row in self["layers"]
         ]
@@ -296,7 +296,7 @@ def precision_report(
     >>> print(report)
     Precision report of model 'm' (engine 'keras'): 0 of 1 layers in low precision
     layer  class  policy   compute  variables
-    m/out  Dense  float32  float32  float32
+    out    Dense  float32  float32  float32
     """
     if engine is None:
         engine = last_engine(model)

@@ -67,6 +67,24 @@ def test_nested_models_count_their_layers_not_themselves():
     assert report["num_low_precision_layers"] == 4
 
 
+def test_layers_without_weights_are_named_by_their_chain():
+    # Keras's `layer.path` is None for them; the table names every layer as the
+    # lists and the monitor do, two Dropouts in two nested models apart.
+    def block(name):
+        inputs = keras.Input((4,))
+        outputs = keras.layers.Dropout(0.1, name="drop")(keras.layers.Dense(4)(inputs))
+        return keras.Model(inputs, outputs, name=name)
+
+    model = keras.Sequential([keras.Input((4,)), block("a"), block("b")], name="m")
+    report = precision_report(model, "keras")
+    chains = [
+        row["chain"] for row in report["layers"] if row["class_name"] == "Dropout"
+    ]
+    assert chains == ["a/drop", "b/drop"]
+    assert "None" not in str(report) and "None" not in report.to_markdown()
+    assert "a/drop" in str(report) and "b/drop" in report.to_markdown()
+
+
 @pytest.mark.onednn
 def test_graph_counts_match_a_known_function(tmp_path):
     @tf.function

@@ -131,14 +131,18 @@ class KerasEngine(Engine):
 
 
 def layer_precisions(model: keras.Model) -> list:
-    """Return one dict per computing layer: name, path, class, dtypes.
+    """Return one dict per computing layer: name, name chain, path, class, dtypes.
 
-    Nested models are left out: their layers are listed, and a nested model's
-    own policy computes nothing (nor is it saved with the model).
+    The name chain (`"backbone/hot"`) is what the lists and `AMPMonitor` name a
+    layer by; every layer has one, where Keras's `path` is None for a layer
+    without weights. Nested models are left out: their layers are listed, and
+    a nested model's own policy computes nothing (nor is it saved with the
+    model).
 
     Args:
         model: a Keras model.
     """
+    chains = layer_names.layer_chains(model)
     rows = []
     for layer in layer_names.candidate_layers(model):
         if isinstance(layer, keras.Model):
@@ -147,6 +151,7 @@ def layer_precisions(model: keras.Model) -> list:
         rows.append(
             {
                 "name": layer.name,
+                "chain": chains.get(id(layer), layer.name),
                 "path": _compat.layer_path(layer),
                 "class_name": type(layer).__name__,
                 "policy": policy.name,

@@ -163,4 +163,8 @@ def test_one_monitor_for_two_models_reports_each_models_events(tmp_path):
         model, data = _one_overflow_an_epoch()
         history = _fit(model, data, [monitor], epochs=2)
         assert history.history["overflow_events"] == [1, 1]
-    assert _overflow_steps(log_dir) == [1, 5, 9, 13]
+    # Each model is a run of its own, its steps numbered from its start.
+    runs = [
+        (e["run"], e["step"]) for e in read_jsonl(log_dir) if e["type"] == "overflow"
+    ]
+    assert runs == [(1, 1), (1, 5), (2, 1), (2, 5)]

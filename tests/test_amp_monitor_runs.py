@@ -231,6 +231,21 @@ def test_a_second_run_appends_and_continues_the_tensorboard_steps(tmp_path):
     assert max(first_steps) == 2 * STEPS_PER_EPOCH
 
 
+def test_a_monitor_reused_for_another_model_starts_from_its_own_lists(tmp_path):
+    # A callbacks list reused for the next experiment: the first model's
+    # denial of `hot` is not applied to another model's layer of that name.
+    log_dir = str(tmp_path)
+    monitor = AMPMonitor(log_dir, lists={"deny_layers": ["head"]}, read_every_steps=4)
+    train(overflow_model("mixed_float16"), [monitor], epochs=2)
+    assert monitor.lists.deny_layers == ("head", "hot")
+    calm = overflow_model("mixed_float16", hot_scale=0.1)
+    train(calm, [monitor], epochs=1)
+    assert calm.get_layer("hot").compute_dtype == "float16"
+    assert calm.get_layer("head").compute_dtype == "float32"
+    assert monitor.lists.deny_layers == ("head",)
+    assert monitor.state.run == 2
+
+
 def test_the_loss_scale_series_goes_forward_in_steps(tmp_path):
     # `hot` is denied after the first epoch and the scale put back; the
     # scaler then backs off again in the second.

@@ -53,7 +53,10 @@ class AMPMonitor(keras.callbacks.Callback):
     put back to where it was before them (a layer denied in vain is said
     once, as `"denial_without_effect"`). Every run in one `log_dir` is appended to
     `amp_events.jsonl` with its run number (`"run"`), and its TensorBoard
-    steps continue after the previous run's.
+    steps continue after the previous run's. One monitor's further `fit`s of
+    the same model continue its run; a `fit` of another model (a callbacks
+    list reused for the next experiment) starts a new run from the lists the
+    monitor was given, not the ones it adapted for the model before.
 
     With our `LossScaleOptimizer` the events are the scaler's own records
     (`read_records`); the monitor's in-graph recorder only keeps the batch of
@@ -203,7 +206,7 @@ class AMPMonitor(keras.callbacks.Callback):
 
     @lists.setter
     def lists(self, lists) -> None:
-        self._memory.set_lists(checks.as_lists(lists))
+        self._memory.set_user_lists(checks.as_lists(lists))
 
     @property
     def state(self):

@@ -164,6 +164,13 @@ class MonitorSession:
         """Continue the monitor's record at `epoch` (resume or fresh start)."""
         monitor = self.monitor
         memory = self.memory
+        if not memory.watch(self.model) and memory.state.epoch >= 0:
+            # This monitor's last `fit` trained another model (a callbacks
+            # list reused for the next experiment, or a reloaded copy): its
+            # lists name that model's layers. This model starts a run of its
+            # own, from the monitor's own lists; a reloaded copy that still
+            # runs the lists continues them (`_model_keeps_lists_of`).
+            memory.start_over()
         state = memory.state
         continuing = state.epoch >= 0
         snapshots = state_module.load_snapshots(monitor.log_dir)

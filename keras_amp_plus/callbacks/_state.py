@@ -16,6 +16,7 @@ older epoch than the monitor (the two write at slightly different moments).
 import dataclasses
 import json
 import os
+import weakref
 
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks._adaptation import AdaptationRule
@@ -96,13 +97,39 @@ class MonitorMemory:
 
     def __init__(self, lists: PrecisionLists, rule: AdaptationRule):
         self.rule = rule
+        self.initial_lists = lists
         self.lists = lists
         self.state = MonitorState(lists=lists.get_config())
+        self._model = None  # a weak reference to the model last monitored
+
+    def watch(self, model) -> bool:
+        """Note that `model` is monitored now; return True if it was last time.
+
+        A monitor's record belongs to the model it watched: another model's
+        `fit` (the same callbacks list reused for a second experiment) starts
+        a record of its own (`start_over`).
+        """
+        same = self._model is not None and self._model() is model
+        self._model = weakref.ref(model)
+        return same
+
+    def start_over(self) -> MonitorState:
+        """Forget the record: the initial lists, a fresh rule; return the old state."""
+        previous = self.state
+        self.lists = self.initial_lists
+        self.state = MonitorState(lists=self.initial_lists.get_config())
+        self.rule.set_state({})
+        return previous
 
     def set_lists(self, lists: PrecisionLists) -> None:
         """Make `lists` the current lists."""
         self.lists = lists
         self.state.lists = lists.get_config()
+
+    def set_user_lists(self, lists: PrecisionLists) -> None:
+        """Make `lists` the current lists and those a new record starts from."""
+        self.initial_lists = lists
+        self.set_lists(lists)
 
     def resume(self, state: MonitorState) -> None:
         """Continue from a saved `state`: its lists and the rule's memory."""

@@ -83,24 +83,23 @@ def test_readme_files_exist():
     assert not missing, missing
 
 
+def _listed_scripts(text):
+    """Return the scripts a table of the text lists (`| `name.py` | ...`)."""
+    return re.findall(r"^\| `(\w+\.py)` \|", text, re.M)
+
+
 @pytest.mark.parametrize("doc", ["README.md", "benchmarks/README.md"])
 def test_benchmark_files_named_in_the_docs_exist(doc):
     # The figures cite the script that measured them and the JSON it wrote.
     text = (ROOT / doc).read_text()
     paths = re.findall(r"`(benchmarks/[\w./-]+\.(?:py|json))", text)
-    paths += [
-        f"benchmarks/{name}" for name in re.findall(r"^\| `(\w+\.py)` \|", text, re.M)
-    ]
+    paths += [f"benchmarks/{name}" for name in _listed_scripts(text)]
     assert paths, f"{doc} cites no benchmark"
     missing = [path for path in paths if not (ROOT / path).exists()]
     assert not missing, missing
 
 
 def test_every_benchmark_script_is_listed():
-    listed = set(
-        re.findall(
-            r"^\| `(\w+\.py)` \|", (ROOT / "benchmarks/README.md").read_text(), re.M
-        )
-    )
+    listed = set(_listed_scripts((ROOT / "benchmarks/README.md").read_text()))
     scripts = {path.name for path in (ROOT / "benchmarks").glob("*.py")}
     assert scripts - {"machine.py"} == listed

@@ -113,13 +113,11 @@ class MonitorMemory:
         self._model = weakref.ref(model)
         return same
 
-    def start_over(self) -> MonitorState:
-        """Forget the record: the initial lists, a fresh rule; return the old state."""
-        previous = self.state
+    def start_over(self) -> None:
+        """Forget the record: back to the initial lists and a fresh rule."""
         self.lists = self.initial_lists
         self.state = MonitorState(lists=self.initial_lists.get_config())
         self.rule.set_state({})
-        return previous
 
     def set_lists(self, lists: PrecisionLists) -> None:
         """Make `lists` the current lists."""

@@ -151,7 +151,7 @@ def layer_precisions(model: keras.Model) -> list:
         rows.append(
             {
                 "name": layer.name,
-                "chain": chains.get(id(layer), layer.name),
+                "chain": chains[id(layer)],
                 "path": _compat.layer_path(layer),
                 "class_name": type(layer).__name__,
                 "policy": policy.name,

@@ -1,11 +1,12 @@
-"""float16 instance norms through TensorFlow's batch-norm kernel, widened or not.
+"""float16 instance norms in graph steps, widened or not.
 
-On a CPU without float16 arithmetic the kernel runs in float32 (the input
-widened, the result rounded once); with it, in float16. Either way the
-results must match float64 references, for each form the kernel takes:
-on the whole batch transposed (TensorFlow's gradient, and the explicit
-backward the run-time switch runs) and per sample (unrolled, and in a loop
-for any batch size).
+On a CPU without float16 arithmetic TensorFlow's batch-norm kernel and the
+fused XLA kernels run in float32 (the input widened, the result rounded
+once); with it, in float16. Either way the results must match float64
+references, for each form the kernels take: TensorFlow's kernel on the whole
+batch transposed (its own gradient, and the explicit backward the run-time
+switch runs) and per sample (unrolled, and in a loop for any batch size);
+the XLA kernels as one path and behind the run-time switch.
 """
 
 import keras
@@ -17,6 +18,7 @@ from conftest import check_normalization, use_policy
 from keras_amp_plus import layers
 from keras_amp_plus.layers import (
     _batch_norm_formula,
+    _fused_normalization,
     _path_choice,
     _per_sample_batch_norm,
     _precision,
@@ -27,6 +29,9 @@ pytestmark = pytest.mark.usefixtures("empty_path_cache")
 
 SHAPE, STAT_AXES, PARAMS = (4, 8, 8, 16), (1, 2), (1, 1, 1, 16)
 KERNEL_OPS = ("FusedBatchNormV3", "FusedBatchNormGradV3")
+# The XLA kernels' functions and the position of `x` among their arguments.
+XLA_KERNELS = {"_normalize_forward": 0, "_normalize_backward": 1}
+CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 
 
 class _Step:
@@ -57,7 +62,12 @@ class _Step:
         return self.call_in_step(x)
 
     def kernel_dtypes(self):
-        """Return the dtypes the kernels ran in, forward and backward."""
+        """Return the dtypes the kernels read `x` in, forward and backward.
+
+        TensorFlow's batch-norm kernel by its `T`; the XLA kernels by the
+        dtype their call passes for `x` (`_normalize_forward`'s first
+        argument, `_normalize_backward`'s second).
+        """
 
         @tf.function(input_signature=[self.spec, self.spec])
         def step(x, upstream):
@@ -70,9 +80,15 @@ class _Step:
         library = graph.as_graph_def().library.function
         nodes = [op.node_def for op in graph.get_operations()]
         nodes += [node for function in library for node in function.node_def]
-        kernels = [node for node in nodes if node.op in KERNEL_OPS]
-        assert {node.op for node in kernels} == set(KERNEL_OPS)
-        return {tf.as_dtype(node.attr["T"].type).name for node in kernels}
+        read = {}
+        for node in nodes:
+            if node.op in KERNEL_OPS:
+                read[node.op] = tf.as_dtype(node.attr["T"].type).name
+            for name, position in XLA_KERNELS.items():
+                if node.op in CALL_OPS and name in node.attr["f"].func.name:
+                    read[name] = tf.as_dtype(node.attr["Tin"].list.type[position]).name
+        assert set(read) in (set(KERNEL_OPS), set(XLA_KERNELS)), read
+        return set(read.values())
 
 
 def _switched_pair(x, gamma, beta, epsilon, stat_axes, dtype):
@@ -89,11 +105,27 @@ def _switched_pair(x, gamma, beta, epsilon, stat_axes, dtype):
     )
 
 
+def _switched_kernels(x, gamma, beta, epsilon, stat_axes, dtype):
+    """The XLA kernels as the run-time switch runs them."""
+    return _saved_gradient.normalize_with(
+        _fused_normalization.kernels_forward,
+        _fused_normalization.kernels_backward,
+        x,
+        gamma,
+        beta,
+        epsilon,
+        stat_axes,
+        dtype,
+    )
+
+
 FORMS = {
     "whole_batch": (_batch_norm_formula.batch_norm_normalize, False),
     "whole_batch_switched": (_switched_pair, True),
     "per_sample": (_per_sample_batch_norm.per_sample_normalize, False),
     "per_sample_loop": (_per_sample_batch_norm.per_sample_normalize, True),
+    "kernels": (_fused_normalization.kernels_normalize, False),
+    "kernels_switched": (_switched_kernels, True),
 }
 
 
@@ -121,6 +153,8 @@ def test_float16_kernels_match_float64_widened_only_without_float16_arithmetic(
         (_path_choice.BATCH_NORM, False),
         (_path_choice.PER_SAMPLE_BATCH_NORM, False),
         (_path_choice.PER_SAMPLE_BATCH_NORM, True),
+        (_path_choice.FUSED_KERNELS, False),
+        (_path_choice.FUSED_KERNELS, True),
     ),
 )
 def test_layer_fit_in_float16_without_float16_arithmetic_matches_float64(

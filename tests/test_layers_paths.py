@@ -562,46 +562,51 @@ def test_large_instance_norm_follows_the_measured_winner(monkeypatch):
 
 
 @pytest.mark.parametrize("unknown_batch", (False, True))
-def test_float16_instance_norm_skips_the_kernels_without_float16_arithmetic(
+def test_float16_instance_norm_follows_float32_without_float16_arithmetic(
     unknown_batch, monkeypatch
 ):
-    # There XLA's float16 code made the kernels slower than Keras's layer at
-    # most shapes measured and than the batch-norm kernel from its size on,
-    # whatever the measurement of bfloat16 said.
+    # There every path computes float16 in float32, the input widened once,
+    # so float32's races and rules decide, not bfloat16's.
     monkeypatch.setattr(_precision, "cpu_has_float16_arithmetic", lambda: False)
     kernels, bn = _path_choice.FUSED_KERNELS, _path_choice.BATCH_NORM
     formula = _path_choice.KERAS_FORMULA
-    cells = [
-        {**_cell(False, "bfloat16", n, kernels), "unknown_batch": unknown_batch}
-        for n in (2**16, 2**20, 2**24)
-    ]
-    _write_measurements(cells)
-    smallest = _path_choice.BATCH_NORM_MIN_ELEMENTS["half"]
-    for elements, applies, expected in (
-        (2**16, True, formula),
-        (smallest - 1, True, formula),
-        (smallest, True, bn),
-        (2**24, True, bn),  # also from the dot size on
-        (2**20, False, formula),  # where the batch-norm kernel cannot run
-    ):
+    measured = {2**16: formula, 2**18: kernels, 2**20: bn}
+    cells = []
+    for elements, float32_path in measured.items():
+        cells.append(_cell(False, "float32", elements, float32_path))
+        bfloat16_path = kernels if elements < 2**18 else formula
+        cells.append(_cell(False, "bfloat16", elements, bfloat16_path))
+    _write_measurements([{**c, "unknown_batch": unknown_batch} for c in cells])
+    for elements, expected in measured.items():
         path = _path_choice._graph_step_path(
-            elements, False, "float16", applies, unknown_batch
+            elements, False, "float16", True, unknown_batch
         )
-        assert path == expected, (elements, applies)
-    # bfloat16 keeps its measurement; float16 layer norm keeps the kernels.
-    for elements in (2**16, 2**20):
-        assert (
-            _path_choice._graph_step_path(
-                elements, False, "bfloat16", True, unknown_batch
-            )
-            == kernels
+        assert path == expected, elements
+        float32 = _path_choice._graph_step_path(
+            elements, False, "float32", True, unknown_batch
         )
-        assert (
-            _path_choice._graph_step_path(
-                elements, True, "float16", False, unknown_batch
-            )
-            == kernels
-        )
+        assert float32 == expected, elements
+    # bfloat16 keeps its own measurements; float16 layer norm keeps the kernels.
+    step_path = _path_choice._graph_step_path
+    assert step_path(2**20, False, "bfloat16", True, unknown_batch) == formula
+    assert step_path(2**20, True, "float16", False, unknown_batch) == kernels
+
+
+def test_float16_instance_norm_takes_float32_rules_without_measurements(monkeypatch):
+    # No measurement: float32's rules (the batch-norm kernel from its float32
+    # size, not the half-width one; Keras's formula with oneDNN off).
+    monkeypatch.setattr(_precision, "cpu_has_float16_arithmetic", lambda: False)
+    _write_measurements([])
+    half = _path_choice.BATCH_NORM_MIN_ELEMENTS["half"]
+    wide = _path_choice.BATCH_NORM_MIN_ELEMENTS["float32"]
+    for onednn, elements in ((True, half), (True, wide), (False, wide)):
+        monkeypatch.setattr(_compat, "onednn_enabled", lambda onednn=onednn: onednn)
+        path = _path_choice._graph_step_path(elements, False, "float16", True)
+        assert path == _path_choice._graph_step_path(elements, False, "float32", True)
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
+    formula, bn = _path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM
+    assert _path_choice._graph_step_path(half, False, "float16", True) == formula
+    assert _path_choice._graph_step_path(half, False, "bfloat16", True) == bn
 
 
 @pytest.mark.parametrize("unknown_batch", (False, True))

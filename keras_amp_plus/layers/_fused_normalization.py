@@ -28,12 +28,14 @@ TensorFlow's batch-norm kernel instead (`_path_choice` decides;
 
 import tensorflow as tf
 
+from keras_amp_plus import _compat
 from keras_amp_plus.layers import (
     _batch_norm_formula,
     _feature_rows,
     _keras_formula,
     _path_choice,
     _per_sample_batch_norm,
+    _precision,
     _row_buckets,
     _size_switch,
 )
@@ -208,7 +210,7 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
             normalize_rows, x, gamma, beta, stat_axes
         )
 
-    trailing = stat_axes == tuple(range(x.shape.rank - len(stat_axes), x.shape.rank))
+    trailing = _over_trailing_axes(x, stat_axes)
     batch_norm_applies = _batch_norm_formula.applies(x, gamma, epsilon, stat_axes)
     if batch_norm_applies and x.shape[1:].num_elements() is None:
         # Instance norm of any image size: the path by sample size and size.
@@ -254,6 +256,7 @@ def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
             x, gamma, beta, epsilon, stat_axes, output_dtype
         )
 
+    x = _kernels_input(x, stat_axes)
     # Variable-length inputs would compile new XLA kernels at every new shape.
     if _row_buckets.applies(x, gamma, stat_axes):
         normalize = _row_buckets.in_padded_rows(normalize)
@@ -290,16 +293,49 @@ def kernels_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
     `saved` is `_normalize_forward`'s statistics.
     """
     output_dtype = tf.as_dtype(output_dtype)
-    return _normalize_forward(x, gamma, beta, epsilon, tuple(stat_axes), output_dtype)
+    stat_axes = tuple(stat_axes)
+    x = _kernels_input(x, stat_axes)
+    return _normalize_forward(x, gamma, beta, epsilon, stat_axes, output_dtype)
 
 
 def kernels_backward(upstream, x, gamma, saved, epsilon, stat_axes):
     """Return the gradients w.r.t. (x, gamma, beta) of `kernels_forward`."""
     del epsilon
+    stat_axes = tuple(stat_axes)
     param_reduce_axes = _param_reduce_axes(x, gamma)
-    return _normalize_backward(
-        upstream, x, saved, gamma, tuple(stat_axes), param_reduce_axes
+    x_grad, gamma_grad, beta_grad = _normalize_backward(
+        upstream,
+        _kernels_input(x, stat_axes),
+        saved,
+        gamma,
+        stat_axes,
+        param_reduce_axes,
     )
+    return tf.cast(x_grad, x.dtype), gamma_grad, beta_grad
+
+
+def _over_trailing_axes(x, stat_axes) -> bool:
+    """Return True when `stat_axes` are `x`'s last axes (layer norm)."""
+    rank = x.shape.rank
+    return tuple(stat_axes) == tuple(range(rank - len(stat_axes), rank))
+
+
+def _kernels_input(x, stat_axes):
+    """Return `x` as the kernels read it: float16 instance norms widened outside XLA.
+
+    On a CPU without float16 arithmetic (`_precision.emulated_float16`),
+    XLA's kernels convert float16 values one by one; TensorFlow's `Cast`
+    widens the whole input faster, and the kernels then run their float32
+    program (the result is still rounded once, to the output dtype). Inside
+    a model XLA compiles whole the cast would be XLA's own, and layer norm's
+    float16 kernels measured as fast as its bfloat16 ones: both as they come.
+    """
+    widen = (
+        _precision.emulated_float16(x.dtype)
+        and not _over_trailing_axes(x, stat_axes)
+        and not _compat.in_xla_compiled_function()
+    )
+    return tf.cast(x, tf.float32) if widen else x
 
 
 def _param_reduce_axes(x, gamma):

@@ -46,14 +46,11 @@ measured by `benchmarks/layers.py` on each kind of machine:
   size for the input's size (`paths_by_sample_size`), switched at run time.
   A forced `per_sample_batch_norm` runs per sample there at every size.
 - float16 instance norms in graph steps on a CPU without float16 arithmetic
-  (no AVX512-FP16 or AMX-FP16) never take the kernels, measured or not:
-  there XLA's float16 code made them slower than Keras's layer at most
-  shapes of the grid, in both kinds of graph step, oneDNN on or off, and
-  slower than TensorFlow's batch-norm kernel at every shape from
-  `BATCH_NORM_MIN_ELEMENTS` on, where that kernel beat Keras's layer
-  (`benchmarks/paths.py`). So TensorFlow's batch-norm kernel there (where
-  it applies; in float32, the input widened once: `_precision.kernel_dtype`),
-  Keras's formula below. With float16 arithmetic, float16
+  (no AVX512-FP16 or AMX-FP16) run in float32, the input widened once, and
+  so follow float32's measurements and rules: every float16 operation there
+  is a float32 one rounded back, and XLA's kernels converted float16 values
+  one by one, which made them slower than Keras's layer at most shapes of
+  the grid. With float16 arithmetic, float16
   follows bfloat16's measurements, but takes the batch-norm kernel where
   the kernels won them narrowly (`_path_calibration.float16_path`).
 - With TensorFlow's graph-level bfloat16 rewrite on, always the kernels:
@@ -388,7 +385,9 @@ def _graph_step_path(
         return FUSED_KERNELS
     applies = (batch_norm_applies, per_sample_applies)
     if not trailing_statistics and _precision.emulated_float16(dtype):
-        return _batch_norm_or_formula(elements, *applies, "half")
+        # Every path computes it in float32, the input widened once (the
+        # kernels: `_fused_normalization._kernels_input`), as float32 does.
+        dtype = tf.float32
     unavailable = () if per_sample_applies else (PER_SAMPLE_BATCH_NORM,)
     measured = _path_calibration.measured_path(
         elements, trailing_statistics, dtype, unknown_batch, unavailable=unavailable

@@ -84,7 +84,8 @@ _PATHS = (FUSED_KERNELS, KERAS_FORMULA, BATCH_NORM, PER_SAMPLE_BATCH_NORM)
 
 # Without a measurement, instance norm (in a graph step, below the dot size)
 # runs TensorFlow's batch-norm kernel from these sizes on: half-width inputs
-# (bfloat16, float16) and float32 inputs (float32 with oneDNN on only).
+# (bfloat16; float16 where the CPU has float16 arithmetic, else as float32)
+# and float32 inputs (float32 with oneDNN on only).
 BATCH_NORM_MIN_ELEMENTS = {"half": 2**18, "float32": 2**21}
 # ... and per sample from this size on, where that applies: below it the
 # transposed layout was as fast or faster (samples of 2**17 elements).

@@ -16,9 +16,11 @@ take where. For float16 instance norms it also times TensorFlow's
 batch-norm kernel in float16 (`batch_norm_float16_kernel`,
 `per_sample_batch_norm_float16_kernel`) beside the paths as the layer runs
 them, which on a CPU without float16 arithmetic widen to the float32 kernel
-(`_precision.kernel_dtype`), and the kernels and Keras's formula on the
-float16 input widened once to float32 (`fused_kernels_widened`,
-`keras_formula_widened`: a float32 layer between two casts).
+(`_precision.kernel_dtype`; the XLA kernels there read the input widened by
+TensorFlow's `Cast` too, `_fused_normalization._kernels_input`), and the
+kernels and Keras's formula in a float32 layer between two casts
+(`fused_kernels_widened`, `keras_formula_widened`), the widening done before
+the layer instead of inside it.
 
 The header names the CPU; the JSON written to `benchmarks/results/` (named per
 CPU kind) carries it with every cell.
@@ -60,9 +62,9 @@ STEPS = ("graph", "tfdata")
 # The batch-norm paths with the kernel in float16, as CPUs with float16
 # arithmetic run them (float16 inputs only; suffix of the path's name).
 FLOAT16_KERNEL = "_float16_kernel"
-# The kernels and Keras's formula on the float16 input widened to float32
-# once (a float32 layer between two casts), as the batch-norm paths widen it
-# on a CPU without float16 arithmetic (float16 inputs only; suffix).
+# The kernels and Keras's formula in a float32 layer between two casts: the
+# float16 input widened before the layer rather than inside it (float16
+# inputs only; suffix).
 WIDENED = "_widened"
 WIDENED_PATHS = (_path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA)
 PATHS = {

@@ -256,7 +256,6 @@ def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
             x, gamma, beta, epsilon, stat_axes, output_dtype
         )
 
-    x = _kernels_input(x, stat_axes)
     # Variable-length inputs would compile new XLA kernels at every new shape.
     if _row_buckets.applies(x, gamma, stat_axes):
         normalize = _row_buckets.in_padded_rows(normalize)
@@ -268,18 +267,15 @@ def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
 
 def _normalize_with_gradient(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """`fused_normalize` on shapes as they come, one XLA kernel per shape."""
-    param_reduce_axes = _param_reduce_axes(x, gamma)
 
     @tf.custom_gradient
     def normalize(x, gamma, beta):
-        outputs, statistics = _normalize_forward(
+        outputs, statistics = kernels_forward(
             x, gamma, beta, epsilon, stat_axes, output_dtype
         )
 
         def grad(upstream):
-            return _normalize_backward(
-                upstream, x, statistics, gamma, stat_axes, param_reduce_axes
-            )
+            return _kernels_backward(upstream, x, gamma, statistics, stat_axes)
 
         return outputs, grad
 
@@ -301,15 +297,22 @@ def kernels_forward(x, gamma, beta, epsilon, stat_axes, output_dtype):
 def kernels_backward(upstream, x, gamma, saved, epsilon, stat_axes):
     """Return the gradients w.r.t. (x, gamma, beta) of `kernels_forward`."""
     del epsilon
-    stat_axes = tuple(stat_axes)
-    param_reduce_axes = _param_reduce_axes(x, gamma)
+    return _kernels_backward(upstream, x, gamma, saved, tuple(stat_axes))
+
+
+def _kernels_backward(upstream, x, gamma, statistics, stat_axes):
+    """`_normalize_backward` of the input as kept: widened again where it was.
+
+    The input is kept in its own dtype and widened afresh (one more pass),
+    not kept widened: no float32 copy of it lives between the passes.
+    """
     x_grad, gamma_grad, beta_grad = _normalize_backward(
         upstream,
         _kernels_input(x, stat_axes),
-        saved,
+        statistics,
         gamma,
         stat_axes,
-        param_reduce_axes,
+        _param_reduce_axes(x, gamma),
     )
     return tf.cast(x_grad, x.dtype), gamma_grad, beta_grad
 

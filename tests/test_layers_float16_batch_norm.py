@@ -9,6 +9,8 @@ switch runs) and per sample (unrolled, and in a loop for any batch size);
 the XLA kernels as one path and behind the run-time switch.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -91,41 +93,30 @@ class _Step:
         return set(read.values())
 
 
-def _switched_pair(x, gamma, beta, epsilon, stat_axes, dtype):
-    """The whole-batch kernel as the run-time switch runs it."""
-    return _saved_gradient.normalize_with(
-        _batch_norm_formula.batch_norm_forward,
-        _batch_norm_formula.batch_norm_backward,
-        x,
-        gamma,
-        beta,
-        epsilon,
-        stat_axes,
-        dtype,
-    )
-
-
-def _switched_kernels(x, gamma, beta, epsilon, stat_axes, dtype):
-    """The XLA kernels as the run-time switch runs them."""
-    return _saved_gradient.normalize_with(
-        _fused_normalization.kernels_forward,
-        _fused_normalization.kernels_backward,
-        x,
-        gamma,
-        beta,
-        epsilon,
-        stat_axes,
-        dtype,
-    )
+def _as_switched(forward, backward):
+    """A path's `(forward, backward)` pair as the run-time switch runs it."""
+    return functools.partial(_saved_gradient.normalize_with, forward, backward)
 
 
 FORMS = {
     "whole_batch": (_batch_norm_formula.batch_norm_normalize, False),
-    "whole_batch_switched": (_switched_pair, True),
+    "whole_batch_switched": (
+        _as_switched(
+            _batch_norm_formula.batch_norm_forward,
+            _batch_norm_formula.batch_norm_backward,
+        ),
+        True,
+    ),
     "per_sample": (_per_sample_batch_norm.per_sample_normalize, False),
     "per_sample_loop": (_per_sample_batch_norm.per_sample_normalize, True),
     "kernels": (_fused_normalization.kernels_normalize, False),
-    "kernels_switched": (_switched_kernels, True),
+    "kernels_switched": (
+        _as_switched(
+            _fused_normalization.kernels_forward,
+            _fused_normalization.kernels_backward,
+        ),
+        True,
+    ),
 }
 
 

@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras_amp_plus import _compat
 from keras_amp_plus.layers import (
     _precision,
+    _rounding,
     _row_buckets,
     _swish_calibration,
     _validation,
@@ -19,9 +20,10 @@ from keras_amp_plus.layers._precision import statistics_dtype
 # backward pass instead of reading it off the output (float32 or wider
 # inputs: recomputing and reading tied from 4M elements on an Intel Xeon with
 # AMX, reading won below) or keeping a float32 copy between the passes
-# (16 MiB and up): bfloat16 inputs with TensorFlow's
-# oneDNN kernels off, whose 32 MiB copy is above glibc's largest mmap
-# threshold, so each step maps and faults it in afresh (TensorFlow's
+# (bfloat16 inputs: recomputing won from 8M elements on an AMD EPYC Zen 4
+# once both passes round by integer arithmetic, `_rounding`; with
+# TensorFlow's oneDNN kernels off the 32 MiB copy is above glibc's largest
+# mmap threshold, so each step maps and faults it in afresh: TensorFlow's
 # allocator hands such buffers to the system allocator unless oneDNN's pool
 # is on).
 # float16 inputs on CPUs without float16 arithmetic widen to float32 (as
@@ -38,9 +40,11 @@ RECOMPUTE_SIGMOID_MIN_ELEMENTS = {
 
 def _swish_values(x, beta):
     # XLA keeps the elementwise arithmetic in float32 registers (it widens
-    # bfloat16 there anyway); only compute-dtype tensors are read or written.
+    # bfloat16 there anyway); only compute-dtype tensors are read or written,
+    # and the result is rounded once, by `_rounding` (XLA's own bfloat16
+    # conversion cost a loop with an exponential a third of its time).
     x_wide = tf.cast(x, beta.dtype)
-    return tf.cast(x_wide * tf.sigmoid(beta * x_wide), x.dtype)
+    return _rounding.rounded_to(x_wide * tf.sigmoid(beta * x_wide), x.dtype)
 
 
 @tf.function(jit_compile=True)
@@ -59,7 +63,7 @@ def _swish_gradients(upstream, x, beta, with_beta_grad, gate_of=None):
     upstream_wide = tf.cast(upstream, beta.dtype)
     gate = tf.sigmoid(beta * x_wide) if gate_of is None else gate_of(x_wide)
     slope = gate * (1.0 + beta * x_wide * (1.0 - gate))
-    x_grad = tf.cast(upstream_wide * slope, x.dtype)
+    x_grad = _rounding.rounded_to(upstream_wide * slope, x.dtype)
     if not with_beta_grad:
         return x_grad, tf.zeros_like(beta)
     beta_grad = tf.reduce_sum(upstream_wide * tf.square(x_wide) * gate * (1.0 - gate))
@@ -158,10 +162,8 @@ def _recompute_threshold(x) -> int | None:
     one. Recomputing it costs one more exponential per element. As measured
     (`benchmarks/layers.py`), the exponential costs more for small inputs (on
     CPUs without AVX-512 most), the memory traffic for large ones: float32
-    inputs recompute it from `RECOMPUTE_SIGMOID_MIN_ELEMENTS` on, bfloat16
-    inputs (whose own size is
-    half the kept sigmoid's) only where TensorFlow's oneDNN kernels are off,
-    float16 inputs where the CPU lacks float16 arithmetic. float16 inputs on
+    and bfloat16 inputs recompute it from `RECOMPUTE_SIGMOID_MIN_ELEMENTS`
+    on, float16 inputs where the CPU lacks float16 arithmetic. float16 inputs on
     a CPU with it keep it (Keras's formula with a fixed `beta`,
     `_swish_for_xla`): None. Where this machine's race is cached
     (`_swish_calibration`, run by `python -m keras_amp_plus doctor`), its
@@ -191,9 +193,9 @@ def sigmoid_thresholds() -> dict:
     where there is one, else `RECOMPUTE_SIGMOID_MIN_ELEMENTS`.
 
     Returns:
-        `{dtype name: threshold in elements}`: float32 always, bfloat16 and
-        float16 where they recompute on this machine (they keep the sigmoid
-        where the CPU has their kernels).
+        `{dtype name: threshold in elements}`: float32 and bfloat16 always,
+        float16 where the CPU lacks float16 arithmetic (where it has it,
+        float16 keeps the sigmoid at every size).
 
     Example:
     >>> import os, tempfile
@@ -224,10 +226,7 @@ def threshold_family(dtype) -> str | None:
         return "float16"
     if dtype == tf.float16:
         return None
-    wide = dtype.size >= 4  # float32 or float64
-    if not wide and _compat.onednn_enabled() is not False:
-        return None
-    return "float32" if wide else "bfloat16"
+    return "float32" if dtype.size >= 4 else "bfloat16"
 
 
 def _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, recompute):
@@ -277,7 +276,8 @@ def _swish_for_xla(x, beta, with_beta_grad):
     There XLA fuses these ops with their neighbours, as it does Keras's own
     activation; the layer's separately compiled kernels would only be
     inlined into the model's cluster and win nothing. The arithmetic runs in
-    `beta`'s dtype (float32 or wider) and the result is rounded once. The
+    `beta`'s dtype (float32 or wider) and the result is rounded once
+    (`_rounding`). The
     backward pass recomputes the sigmoid from x where that is faster than
     keeping it (`_recompute_threshold`). Elsewhere a float32 (or wider)
     input's backward pass reads it off the output, which the next layer
@@ -290,19 +290,16 @@ def _swish_for_xla(x, beta, with_beta_grad):
     back on its own, and the widened formula was faster.
     """
     threshold = _recompute_threshold(x)
-    if threshold is not None:
-        elements = x.shape.num_elements()
-        if elements is None:
-            large = tf.size(x, out_type=tf.int64) >= threshold
-            return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, large)
-        if elements >= threshold:
-            return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, True)
-    if _output_holds_the_sigmoid(x, beta):
+    if threshold is None:  # float16 on a CPU with float16 arithmetic
+        if not with_beta_grad:
+            return tf.nn.silu(x, tf.cast(beta, x.dtype))
         return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, False)
-    native_float16 = x.dtype == tf.float16 and not _precision.emulated_float16(x.dtype)
-    if native_float16 and not with_beta_grad:
-        return tf.nn.silu(x, tf.cast(beta, x.dtype))
-    return tf.cast(tf.nn.silu(tf.cast(x, beta.dtype), beta), x.dtype)
+    elements = x.shape.num_elements()
+    if elements is None:
+        recompute = tf.size(x, out_type=tf.int64) >= threshold
+    else:
+        recompute = elements >= threshold
+    return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, recompute)
 
 
 def _swish_of_varying_shape(x, beta, with_beta_grad):

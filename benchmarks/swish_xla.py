@@ -7,7 +7,9 @@ and whether the backward pass keeps the forward's sigmoid (float32: reads it
 off the output) or recomputes it (`_swish_activation._recompute_threshold`).
 This script times one forward + backward step (`jit_compile=True`, the
 input's gradient) of each form, of a float32 multiply (the affine reference
-of `benchmarks/layers.py`) and of a form the layer rejects, the sigmoid as
+of `benchmarks/layers.py`), of the layer's two forms rounding their
+bfloat16 results by XLA's conversion (`tf.cast`) instead of by integer
+arithmetic (`_rounding`), and of a form the layer rejects, the sigmoid as
 `0.5 + 0.5 * tanh(z / 2)` (XLA's CPU tanh is a rational approximation, no
 exponential), whose lower tail the script measures too (relative error
 against float64 where the sigmoid is below 1e-4; the exponential's form is
@@ -21,7 +23,9 @@ Usage: python benchmarks/swish_xla.py [--quick] [--reps N] [--dtypes ...]
     [--output PATH]
 """
 
+import contextlib
 import os
+from unittest import mock
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -31,7 +35,7 @@ import tensorflow as tf
 from layers import time_interleaved
 from machine import sweep_options, write_results
 
-from keras_amp_plus.layers import _swish_activation
+from keras_amp_plus.layers import _rounding, _swish_activation
 
 SHAPES = (
     (256, 256),
@@ -112,15 +116,38 @@ FORMS = {
 }
 
 
-def xla_step(form):
-    """Return a `jit_compile=True` forward + backward step of `form`."""
+# The layer's forms as they were before `_rounding`: their bfloat16 results
+# rounded by XLA's conversion (`tf.cast`). The same values; the time differs.
+CAST_ROUNDED = {
+    "kept_cast_rounding": "widened_kept",
+    "recomputed_cast_rounding": "widened_recomputed",
+}
+STEPS = (*FORMS, *CAST_ROUNDED)
+
+
+def _rounding_of(name):
+    """Return the context the step `name` is traced in."""
+    if name not in CAST_ROUNDED:
+        return contextlib.nullcontext()
+    return mock.patch.object(_rounding, "rounded_to", _rounded_by_cast)
+
+
+def _rounded_by_cast(values, dtype):
+    return tf.cast(values, dtype)
+
+
+def xla_step(name):
+    """Return a `jit_compile=True` forward + backward step of the form `name`."""
+    form = FORMS[CAST_ROUNDED.get(name, name)]
 
     @tf.function(jit_compile=True)
     def step(x, upstream):
-        with tf.GradientTape() as tape:
+        # The whole step: `tape.gradient` traces the custom gradient.
+        with _rounding_of(name), tf.GradientTape() as tape:
             tape.watch(x)
             outputs = form(x)
-        return outputs, tape.gradient(outputs, x, output_gradients=upstream)
+            gradient = tape.gradient(outputs, x, output_gradients=upstream)
+        return outputs, gradient
 
     return step
 
@@ -129,7 +156,7 @@ def time_cell(shape, dtype, reps):
     """Return the median CPU ms of each form's step at `shape` in `dtype`."""
     x = tf.cast(tf.random.stateless_normal(shape, (1, 2), 0.5), dtype)
     upstream = tf.cast(tf.random.stateless_normal(shape, (3, 4)), dtype)
-    steps = {name: xla_step(form) for name, form in FORMS.items()}
+    steps = {name: xla_step(name) for name in STEPS}
     for step in steps.values():  # compile
         step(x, upstream)
     return time_interleaved(steps, (x, upstream), reps)[0]
@@ -145,7 +172,7 @@ def main():
         DTYPES,
     )
     shapes = SHAPES[1:4] if args.quick else SHAPES
-    others = [name for name in FORMS if name != "keras_formula"]
+    others = [name for name in STEPS if name != "keras_formula"]
     header = " ".join(f"{name:>18}" for name in others)
     tails = {name: lower_tail_error(FORMS[name]) for name in FORMS if name != "affine"}
     print("lower tail (sigmoid < 1e-4), largest relative error in float32:")

@@ -118,8 +118,8 @@ def test_measure_recompute_refuses_to_run_traced():
 
 
 def test_sigmoid_thresholds_reads_the_race_per_precision(empty_path_cache, monkeypatch):
-    # float32's measured threshold replaces the table's; bfloat16 has one
-    # with oneDNN on or off, float16 only without float16 arithmetic.
+    # float32's measured threshold replaces the table's; bfloat16 and float16
+    # have one only where they recompute (oneDNN off, no float16 arithmetic).
     _write_cells({MIB: 0.8, 2 * MIB: 0.8, 4 * MIB: 0.8, 8 * MIB: 0.8})
     table = _swish_activation.RECOMPUTE_SIGMOID_MIN_ELEMENTS
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: False)
@@ -131,7 +131,4 @@ def test_sigmoid_thresholds_reads_the_race_per_precision(empty_path_cache, monke
     }
     monkeypatch.setattr(_compat, "onednn_enabled", lambda: True)
     monkeypatch.setattr(_precision, "emulated_float16", lambda d: False)
-    assert _swish_activation.sigmoid_thresholds() == {
-        "float32": MIB,
-        "bfloat16": table["bfloat16"],
-    }
+    assert _swish_activation.sigmoid_thresholds() == {"float32": MIB}

@@ -20,12 +20,14 @@ from keras_amp_plus.layers._precision import statistics_dtype
 # backward pass instead of reading it off the output (float32 or wider
 # inputs: recomputing and reading tied from 4M elements on an Intel Xeon with
 # AMX, reading won below) or keeping a float32 copy between the passes
-# (bfloat16 inputs: recomputing won from 8M elements on an AMD EPYC Zen 4
-# once both passes round by integer arithmetic, `_rounding`; with
-# TensorFlow's oneDNN kernels off the 32 MiB copy is above glibc's largest
-# mmap threshold, so each step maps and faults it in afresh: TensorFlow's
+# (16 MiB and up): bfloat16 inputs with TensorFlow's
+# oneDNN kernels off, whose 32 MiB copy is above glibc's largest mmap
+# threshold, so each step maps and faults it in afresh (TensorFlow's
 # allocator hands such buffers to the system allocator unless oneDNN's pool
-# is on).
+# is on). With oneDNN on, bfloat16 keeps Keras's program, widened: after an
+# instance norm inside a model, the layer's own forms (kept or recomputed)
+# took 1.05-1.13x its time from 1M elements on an AMD EPYC Zen 4
+# (`benchmarks/swish_in_context.py`), though alone they beat it.
 # float16 inputs on CPUs without float16 arithmetic widen to float32 (as
 # bfloat16 ones do) and recompute from 1M elements on: keeping won at 512K
 # elements in three runs of `benchmarks/swish_xla.py` on an AMD EPYC Zen 4,
@@ -41,8 +43,8 @@ RECOMPUTE_SIGMOID_MIN_ELEMENTS = {
 def _swish_values(x, beta):
     # XLA keeps the elementwise arithmetic in float32 registers (it widens
     # bfloat16 there anyway); only compute-dtype tensors are read or written,
-    # and the result is rounded once, by `_rounding` (XLA's own bfloat16
-    # conversion cost a loop with an exponential a third of its time).
+    # and the result is rounded once, by `_rounding` (XLA's own conversion to
+    # bfloat16 made a loop with an exponential much slower).
     x_wide = tf.cast(x, beta.dtype)
     return _rounding.rounded_to(x_wide * tf.sigmoid(beta * x_wide), x.dtype)
 
@@ -162,8 +164,10 @@ def _recompute_threshold(x) -> int | None:
     one. Recomputing it costs one more exponential per element. As measured
     (`benchmarks/layers.py`), the exponential costs more for small inputs (on
     CPUs without AVX-512 most), the memory traffic for large ones: float32
-    and bfloat16 inputs recompute it from `RECOMPUTE_SIGMOID_MIN_ELEMENTS`
-    on, float16 inputs where the CPU lacks float16 arithmetic. float16 inputs on
+    inputs recompute it from `RECOMPUTE_SIGMOID_MIN_ELEMENTS` on, bfloat16
+    inputs (whose own size is
+    half the kept sigmoid's) only where TensorFlow's oneDNN kernels are off,
+    float16 inputs where the CPU lacks float16 arithmetic. float16 inputs on
     a CPU with it keep it (Keras's formula with a fixed `beta`,
     `_swish_for_xla`): None. Where this machine's race is cached
     (`_swish_calibration`, run by `python -m keras_amp_plus doctor`), its
@@ -193,9 +197,9 @@ def sigmoid_thresholds() -> dict:
     where there is one, else `RECOMPUTE_SIGMOID_MIN_ELEMENTS`.
 
     Returns:
-        `{dtype name: threshold in elements}`: float32 and bfloat16 always,
-        float16 where the CPU lacks float16 arithmetic (where it has it,
-        float16 keeps the sigmoid at every size).
+        `{dtype name: threshold in elements}`: float32 always, bfloat16 and
+        float16 where they recompute on this machine (they keep the sigmoid
+        where the CPU has their kernels).
 
     Example:
     >>> import os, tempfile
@@ -226,7 +230,10 @@ def threshold_family(dtype) -> str | None:
         return "float16"
     if dtype == tf.float16:
         return None
-    return "float32" if dtype.size >= 4 else "bfloat16"
+    wide = dtype.size >= 4  # float32 or float64
+    if not wide and _compat.onednn_enabled() is not False:
+        return None
+    return "float32" if wide else "bfloat16"
 
 
 def _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, recompute):
@@ -290,16 +297,19 @@ def _swish_for_xla(x, beta, with_beta_grad):
     back on its own, and the widened formula was faster.
     """
     threshold = _recompute_threshold(x)
-    if threshold is None:  # float16 on a CPU with float16 arithmetic
-        if not with_beta_grad:
-            return tf.nn.silu(x, tf.cast(beta, x.dtype))
+    if threshold is not None:
+        elements = x.shape.num_elements()
+        if elements is None:
+            large = tf.size(x, out_type=tf.int64) >= threshold
+            return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, large)
+        if elements >= threshold:
+            return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, True)
+    if _output_holds_the_sigmoid(x, beta):
         return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, False)
-    elements = x.shape.num_elements()
-    if elements is None:
-        recompute = tf.size(x, out_type=tf.int64) >= threshold
-    else:
-        recompute = elements >= threshold
-    return _swish_choosing_backward_sigmoid(x, beta, with_beta_grad, recompute)
+    native_float16 = x.dtype == tf.float16 and not _precision.emulated_float16(x.dtype)
+    if native_float16 and not with_beta_grad:
+        return tf.nn.silu(x, tf.cast(beta, x.dtype))
+    return tf.cast(tf.nn.silu(tf.cast(x, beta.dtype), beta), x.dtype)
 
 
 def _swish_of_varying_shape(x, beta, with_beta_grad):

@@ -59,6 +59,7 @@ bench: $(PY)
 	$(PY) benchmarks/moments_gradient.py
 	$(PY) benchmarks/in_xla_sums.py
 	$(PY) benchmarks/swish_xla.py
+	$(PY) benchmarks/swish_in_context.py
 	$(PY) benchmarks/variable_length.py
 	$(PY) benchmarks/batch_switch.py
 	TF_ENABLE_ONEDNN_OPTS=0 $(PY) benchmarks/cpu_allocator.py

@@ -24,10 +24,11 @@ from keras_amp_plus.layers._precision import statistics_dtype
 # oneDNN kernels off, whose 32 MiB copy is above glibc's largest mmap
 # threshold, so each step maps and faults it in afresh (TensorFlow's
 # allocator hands such buffers to the system allocator unless oneDNN's pool
-# is on). With oneDNN on, bfloat16 keeps Keras's program, widened: after an
-# instance norm inside a model, the layer's own forms (kept or recomputed)
-# took 1.05-1.13x its time from 1M elements on an AMD EPYC Zen 4
-# (`benchmarks/swish_in_context.py`), though alone they beat it.
+# is on). With oneDNN on, bfloat16 keeps Keras's program, widened: inside a
+# model the layer's own forms (kept or recomputed) took 1.13-1.26x its time
+# after an instance norm, 0.78-0.90x after a Conv2D, at 1M to 16M elements on
+# an AMD EPYC Zen 4 (`benchmarks/swish_in_context.py`), and the CNN of
+# `benchmarks/training.py` (both) ran slower with them.
 # float16 inputs on CPUs without float16 arithmetic widen to float32 (as
 # bfloat16 ones do) and recompute from 1M elements on: keeping won at 512K
 # elements in three runs of `benchmarks/swish_xla.py` on an AMD EPYC Zen 4,

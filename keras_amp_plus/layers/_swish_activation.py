@@ -28,7 +28,7 @@ from keras_amp_plus.layers._precision import statistics_dtype
 # model the layer's own forms (kept or recomputed) took 1.13-1.26x its time
 # after an instance norm, 0.78-0.90x after a Conv2D, at 1M to 16M elements on
 # an AMD EPYC Zen 4 (`benchmarks/swish_in_context.py`), and the CNN of
-# `benchmarks/training.py` (both) ran slower with them.
+# `benchmarks/training.py` (Conv2D, instance norm, Swish) ran slower with them.
 # float16 inputs on CPUs without float16 arithmetic widen to float32 (as
 # bfloat16 ones do) and recompute from 1M elements on: keeping won at 512K
 # elements in three runs of `benchmarks/swish_xla.py` on an AMD EPYC Zen 4,
@@ -284,9 +284,9 @@ def _swish_for_xla(x, beta, with_beta_grad):
     There XLA fuses these ops with their neighbours, as it does Keras's own
     activation; the layer's separately compiled kernels would only be
     inlined into the model's cluster and win nothing. The arithmetic runs in
-    `beta`'s dtype (float32 or wider) and the result is rounded once
-    (`_rounding`). The
-    backward pass recomputes the sigmoid from x where that is faster than
+    `beta`'s dtype (float32 or wider) and the result is rounded once (in the
+    layer's own forms by `_rounding`). The backward pass recomputes the
+    sigmoid from x where that is faster than
     keeping it (`_recompute_threshold`). Elsewhere a float32 (or wider)
     input's backward pass reads it off the output, which the next layer
     reads anyway (Keras's program keeps a copy of its own); a half-precision

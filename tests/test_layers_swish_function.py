@@ -26,6 +26,33 @@ def test_swish_on_a_keras_tensor_builds_a_functional_model():
     )
 
 
+def test_a_functional_model_calling_swish_reloads_from_its_keras_file(tmp_path):
+    inputs = keras.Input((5,))
+    hidden = layers.swish(keras.layers.Dense(5, name="dense")(inputs), beta=1.5)
+    model = keras.Model(inputs, layers.swish(hidden))
+    x = np.linspace(-4.0, 4.0, 10, dtype="float32").reshape(2, 5)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    reloaded = keras.saving.load_model(path)
+    np.testing.assert_array_equal(
+        reloaded.predict(x, verbose=0), model.predict(x, verbose=0)
+    )
+    kernel, bias = (
+        w.numpy().astype(np.float64) for w in model.get_layer("dense").weights
+    )
+    expected = _reference(_reference(x @ kernel + bias, 1.5))
+    np.testing.assert_allclose(reloaded.predict(x, verbose=0), expected, rtol=1e-5)
+
+
+def test_a_model_calling_swish_with_a_tensor_beta_says_why_it_cannot_be_saved(
+    tmp_path,
+):
+    inputs = keras.Input((5,))
+    model = keras.Model(inputs, layers.swish(inputs, beta=tf.constant(1.5)))
+    with pytest.raises(ValueError, match="with a tensor `beta` cannot be saved"):
+        model.save(str(tmp_path / "model.keras"))
+
+
 def test_swish_on_a_keras_tensor_keeps_its_dtype():
     inputs = keras.Input((3,), dtype="bfloat16")
     assert layers.swish(inputs).dtype == "bfloat16"

@@ -416,14 +416,36 @@ def swish(x, beta=1.0):
     return _swish(x, tf.cast(beta, wide), with_beta_grad=not beta_is_constant)
 
 
-if _compat.IS_KERAS_3:  # `keras.Operation` is Keras 3 only
+def _unique_name(prefix: str) -> str:
+    """Return `prefix`, then `prefix_1`, ...: operation names in a model differ."""
+    uid = keras.backend.get_uid(prefix)
+    return prefix if uid == 1 else f"{prefix}_{uid - 1}"
 
+
+if _compat.IS_KERAS_3:  # `keras.Operation` is Keras 3 only
+    # Registered so that a functional model saved with it loads again; under
+    # a name of its own, which saved files keep.
+    @keras.saving.register_keras_serializable(
+        package="keras_amp_plus", name="SwishOperation"
+    )
     class _SwishOperation(keras.Operation):
         """`swish` as a Keras operation, for symbolic `KerasTensor` inputs."""
 
-        def __init__(self, beta):
-            super().__init__(name="swish")
+        def __init__(self, beta=1.0, name=None):
+            super().__init__(name=name or _unique_name("swish"))
             self.beta = beta
+
+        def get_config(self):
+            """Return `beta`, which must be a number to be saved."""
+            if not isinstance(self.beta, numbers.Real):
+                raise ValueError(
+                    "A functional model calling `keras_amp_plus.layers.swish` "
+                    "with a tensor `beta` cannot be saved: the config holds "
+                    "numbers only. Pass a float `beta`, or use "
+                    "`keras_amp_plus.layers.Swish(trainable_beta=True)` for a "
+                    f"learned one. Received: beta={self.beta!r}"
+                )
+            return {"beta": float(self.beta), "name": self.name}
 
         def call(self, x):
             return swish(x, self.beta)

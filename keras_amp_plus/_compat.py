@@ -489,6 +489,16 @@ def is_compiled(model) -> bool:
     return bool(getattr(model, "_is_compiled", False))
 
 
+def metric_direction(metric) -> str | None:
+    """Return `"up"` or `"down"` where Keras knows which way `metric` improves.
+
+    Keras 3's metrics carry it in the private `_direction` (what Keras's own
+    `EarlyStopping` and `ModelCheckpoint` read, so the one place to learn
+    it); Keras 2's do not: None.
+    """
+    return getattr(metric, "_direction", None)
+
+
 def optimizer_built(optimizer) -> bool:
     """Return whether an optimizer created its variables.
 

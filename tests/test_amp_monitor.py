@@ -195,6 +195,9 @@ def test_exact_counts_with_steps_per_execution(tmp_path, jit_compile):
     assert history.history["overflow_events"] == [STEPS_PER_EPOCH] * 2
     events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
     assert [e["step"] for e in events] == list(range(1, 2 * STEPS_PER_EPOCH + 1))
+    # Every step overflowed: the rate counts the steps, not the batch hooks.
+    rates = scalar_series(read_tensorboard(str(tmp_path)), "amp/overflow_rate")
+    assert rates == {0: 1.0, 1: 1.0}
 
 
 @pytest.mark.onednn  # the grappler engine (see conftest.py)

@@ -28,6 +28,32 @@ def test_unwritable_log_dir_fails_before_the_first_step(tmp_path):
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
+@pytest.mark.parametrize(
+    ("blocked", "make", "match"),
+    (
+        ("amp", "file", "TensorBoard run to .* which exists as a file"),
+        ("amp_events.jsonl", "directory", "events to .* exists as a directory"),
+        ("amp_state.json", "garbage", "is not a state file AMPMonitor can read"),
+        ("amp_state.json", "list", "is not a state file AMPMonitor can read"),
+    ),
+)
+def test_a_log_dir_holding_what_the_monitor_cannot_use_fails_first(
+    tmp_path, blocked, make, match
+):
+    path = tmp_path / blocked
+    if make == "directory":
+        path.mkdir()
+    else:
+        contents = {"file": "x", "garbage": '{"snapshots": [', "list": "[1]"}
+        path.write_text(contents[make])
+    model = overflow_model("mixed_float16")
+    monitor = AMPMonitor(str(tmp_path))
+    with pytest.raises(ValueError, match=match) as info:
+        fit_one_epoch(model, monitor)
+    assert "Received: " in str(info.value)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
 def test_model_without_optimizer(tmp_path):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     monitor = AMPMonitor(str(tmp_path))
@@ -121,6 +147,8 @@ def test_read_interval_beyond_the_ring_capacity(tmp_path):
         ({"read_every_steps": 0}, ValueError),
         ({"log_dir": 3}, TypeError),
         ({"lists": ["hot"]}, TypeError),
+        ({"adapt": "yes"}, TypeError),
+        ({"replay": 1}, TypeError),
     ],
 )
 def test_bad_arguments(kwargs, error):
@@ -193,3 +221,9 @@ def test_bfloat16_under_the_guard_is_not_warned_of(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="keras_amp_plus"):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[AMPMonitor(str(tmp_path))])
     assert not any("computes in float16" in r.getMessage() for r in caplog.records)
+
+
+def test_numpy_bools_are_bools():
+    monitor = AMPMonitor(adapt=np.False_, replay=np.True_)
+    assert monitor.get_config()["adapt"] is False
+    assert monitor.get_config()["replay"] is True

@@ -99,25 +99,53 @@ class LossSpy(keras.callbacks.Callback):
         self.epoch_logs.append(dict(logs))
 
 
-def test_an_epoch_of_skipped_steps_reads_nan_in_callbacks_before_the_monitor(
+class Unmeasured(keras.metrics.Mean):
+    """A metric whose direction Keras does not know."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        return super().update_state(y_pred)
+
+
+def test_an_epoch_of_skipped_steps_reads_its_worst_in_callbacks_before_the_monitor(
     tmp_path,
 ):
     # `hot` overflows float16 on every step until the monitor denies it after
     # the first epoch: no step of that epoch is applied.
     model = overflow_model("mixed_float16")
-    model.compile(model.optimizer, loss="mse", metrics=["mae"])
+    metrics = ["mae", keras.metrics.R2Score(name="r2"), Unmeasured(name="mean")]
+    model.compile(model.optimizer, loss="mse", metrics=metrics)
     spy = LossSpy()
     monitor = AMPMonitor(str(tmp_path))
     history = train(model, [spy, monitor, LossSpy()], epochs=2)
     first, second = spy.epoch_logs
     assert history.history["overflow_events"][0] == STEPS_PER_EPOCH
     # Keras reports the metrics' empty state as 0 (a "best" loss for
-    # `ModelCheckpoint`); nothing was measured.
-    assert np.isnan(first["loss"]) and np.isnan(first["mae"])
-    assert np.isfinite(second["loss"]) and np.isfinite(second["mae"])
-    assert np.isnan(history.history["loss"][0])
+    # `ModelCheckpoint`); nothing was measured: each reads its worst value.
+    assert first["loss"] == np.inf and first["mae"] == np.inf
+    assert first["r2"] == -np.inf  # improves upwards
+    assert np.isnan(first["mean"])  # which way is unknown
+    assert all(np.isfinite(second[name]) for name in ("loss", "mae", "r2", "mean"))
+    assert history.history["loss"][0] == np.inf
     # The next epoch reads Keras's own results again.
     assert history.history["loss"][1] == pytest.approx(second["loss"])
+
+
+def test_an_epoch_of_skipped_steps_is_never_the_best(tmp_path):
+    # Keras 3 takes the first value its monitoring callbacks see for the
+    # best, NaN included (no value beats NaN after it): the skipped first
+    # epoch must not be it.
+    model = overflow_model("mixed_float16")
+    model.compile(model.optimizer, loss="mse", metrics=["mae"])
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "best.keras"), monitor="mae", save_best_only=True
+    )
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=1)
+    monitor = AMPMonitor(str(tmp_path))
+    history = train(model, [monitor, checkpoint, stop], epochs=4)
+    losses = history.history["loss"]
+    assert losses[0] == np.inf and all(np.isfinite(losses[1:]))
+    assert stop.best == min(losses) and len(losses) >= 3
+    assert checkpoint.best == min(history.history["mae"])
 
 
 def test_early_stopping_on_loss_keeps_a_run_with_sporadic_overflows():
@@ -390,3 +418,24 @@ def test_repeated_fits_with_the_graph_engine_reuse_the_traced_step(tmp_path):
     assert CountingModel.traces == after_first
     converted = precision_report(model)["graph"]["train"]["converted_by_op"]
     assert converted["MatMul"] > 0
+
+
+def test_a_log_dir_on_another_file_system_holds_every_file(tmp_path, monkeypatch):
+    # `ram://` is TensorFlow's in-memory file system, a stand-in for
+    # `gs://`: every file goes through `tf.io.gfile`, nothing to local disk.
+    monkeypatch.chdir(tmp_path)
+    log_dir = f"ram://{tmp_path.name}/logs"
+    history = fit_sporadic(AMPMonitor(log_dir), epochs=2)[1]
+    events = history.history["overflow_events"]
+    assert sum(events) >= 2
+    with tf.io.gfile.GFile(f"{log_dir}/amp_events.jsonl") as f:
+        lines = [line for line in f if '"type": "overflow"' in line]
+    assert len(lines) == sum(events)
+    assert tf.io.gfile.exists(f"{log_dir}/amp_state.json")
+    assert tf.io.gfile.glob(f"{log_dir}/amp/events.out.tfevents.*")
+    assert list(tmp_path.iterdir()) == []
+    # A second run in the same directory continues its record.
+    fit_sporadic(AMPMonitor(log_dir), epochs=1)
+    with tf.io.gfile.GFile(f"{log_dir}/amp_events.jsonl") as f:
+        runs = {line.split('"run": ')[1].split(",")[0] for line in f}
+    assert runs == {"1", "2"}

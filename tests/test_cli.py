@@ -54,6 +54,15 @@ def test_parser_rejects_bad_arguments(argv, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_demo_refuses_a_log_dir_that_is_a_file(tmp_path, capsys):
+    a_file = tmp_path / "logs"
+    a_file.write_text("not a directory")
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["demo", "--log-dir", str(a_file)])
+    assert exit_info.value.code == 2
+    assert "--log-dir: must be a directory" in capsys.readouterr().err
+
+
 def test_doctor_refuses_a_non_tensorflow_backend(monkeypatch, capsys):
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     assert doctor.main(probe_seconds=0.1) == 1

@@ -54,7 +54,8 @@ class AMPMonitor(keras.callbacks.Callback):
     once, as `"denial_without_effect"`). Every run in one `log_dir` is appended to
     `amp_events.jsonl` with its run number (`"run"`), and its TensorBoard
     steps continue after the previous run's. One monitor's further `fit`s of
-    the same model continue its run; a `fit` of another model (a callbacks
+    the same model continue its run, its epochs and steps; a `fit` of another
+    model (a callbacks
     list reused for the next experiment) starts a new run from the lists the
     monitor was given, not the ones it adapted for the model before.
 
@@ -63,7 +64,9 @@ class AMPMonitor(keras.callbacks.Callback):
     an overflow step for the replay. Backward overflows are attributed from
     the scaler's per-variable records to the implicated layer closest to the
     loss; forward overflows (Inf/NaN loss) by replaying the step's batch to
-    find the innermost layer whose inputs were finite and output was not. A
+    find the innermost layer whose inputs were finite and output was not (one
+    batch is kept, the last overflow step's: the events of one read share its
+    verdict, except steps whose own batch held Inf/NaN, logged as bad data). A
     backward overflow at a trusted scale is replayed too, and named as a
     forward overflow when the replay finds such a layer: a forward overflow
     can stay hidden from the loss (TensorFlow's Eigen max pooling, used with
@@ -126,9 +129,11 @@ class AMPMonitor(keras.callbacks.Callback):
             does not. 0 counts each epoch alone. Defaults to `0.7`.
         exclude_skipped_steps: leave the loss (and metrics) of steps the scaler
             skipped out of the epoch's averages, so `EarlyStopping` and
-            `ReduceLROnPlateau` see the loss of the applied steps: NaN, for
-            every callback wherever it is listed, when every step of the
-            epoch was skipped (Keras would report 0). Defaults to `True`.
+            `ReduceLROnPlateau` see the loss of the applied steps. When every
+            step of the epoch was skipped, every callback, wherever it is
+            listed, reads each metric's worst value (`inf` for the loss,
+            `-inf` for accuracy, NaN where Keras knows no direction), never
+            a best (Keras would report 0). Defaults to `True`.
 
     Example:
     >>> import keras, numpy as np
@@ -181,11 +186,11 @@ class AMPMonitor(keras.callbacks.Callback):
         if isinstance(self.log_dir, bytes):
             self.log_dir = os.fsdecode(self.log_dir)
         self.engine = engine
-        self.adapt = adapt
+        self.adapt = bool(adapt)  # NumPy bools too
         self.trusted_backward_scale = float(trusted_backward_scale)
         self.read_every_steps = read_every_steps
-        self.replay = replay
-        self.exclude_skipped_steps = exclude_skipped_steps
+        self.replay = bool(replay)
+        self.exclude_skipped_steps = bool(exclude_skipped_steps)
         rule = AdaptationRule(
             deny_threshold,
             patience,

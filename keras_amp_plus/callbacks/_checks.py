@@ -12,6 +12,8 @@ import numbers
 import os
 import weakref
 
+import numpy as np
+
 from keras_amp_plus import _compat
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import _distribution as distribution
@@ -50,7 +52,7 @@ def check_arguments(
     """Validate the monitor's constructor arguments (Keras-style errors)."""
     _check_log_dir(log_dir)
     for name, value in flags.items():
-        if not isinstance(value, bool):
+        if not isinstance(value, (bool, np.bool_)):
             raise TypeError(
                 f"`{name}` must be a bool (True or False). "
                 f"Received: {name}={value!r} of type {type(value).__name__}"

@@ -10,7 +10,10 @@ One source of events, the most detailed there is:
   scaler only steps whose loss is Inf/NaN are events.
 
 In every case a step whose loss is Inf/NaN is a forward overflow and is
-attributed by replaying the stashed batch (`attribution.find_forward_overflow`).
+attributed by replaying the stashed batch (`attribution.find_forward_overflow`):
+the batch of the last such step, so the events of one read share its verdict,
+except those whose own batch held Inf/NaN (the recorder notes those steps),
+which are bad data, no layer's overflow.
 A backward overflow at a trusted scale is replayed too: a forward overflow can
 stay hidden from the loss (TensorFlow's Eigen max pooling, used with oneDNN
 off, drops NaNs) and show only as non-finite gradients, which would blame the
@@ -49,6 +52,7 @@ class EventCollector:
         self.scaler_cursor = 0
         self.scaler_step_shift = 0
         self._replayed = {}
+        self._bad_batch_steps = set()
 
     def set_cursors(
         self, recorder_cursor: int, scaler_cursor: int, scaler_step_shift: int = 0
@@ -73,7 +77,16 @@ class EventCollector:
         if not records:
             return []
         self.index.set_call_order(self.recorder.call_order)
+        self._bad_batch_steps = {
+            self._in_record_numbering(step) for step in self.recorder.bad_batch_steps()
+        }
         return [self._attribute(record, epoch) for record in records]
+
+    def _in_record_numbering(self, step: int) -> int:
+        """Return a step the recorder noted, numbered as the records are."""
+        if isinstance(self.model.optimizer, LossScaleOptimizer):
+            return step + self.scaler_step_shift  # noted at our scaler's step
+        return step
 
     def _read(self):
         """Return the new `OverflowRecord`s of the one source there is."""
@@ -105,15 +118,35 @@ class EventCollector:
 
     def _in_record_steps(self, record):
         """Return our scaler's `record` with its step numbered as the record's."""
-        step = record.step + self.scaler_step_shift
-        return dataclasses.replace(record, step=step)
+        return dataclasses.replace(record, step=self._in_record_numbering(record.step))
 
-    def _forward_culprit(self):
+    def _forward_culprit(self, record_step):
+        """Return `(culprit, evidence)` of a possible forward overflow's step.
+
+        `culprit` is `find_forward_overflow`'s result for the batch kept for
+        the replay (the last kept step's), or bad data for a step whose own
+        batch held Inf/NaN; a step whose verdict would be another step's bad
+        data is not replayed (its batch is gone).
+        """
+        if record_step in self._bad_batch_steps:
+            bad = {"layer": None, "reason": attribution.BAD_DATA}
+            return bad, f"batch of step {record_step}: {attribution.BAD_DATA}"
         step, batches = self.recorder.stashed_batches()
-        if step and isinstance(self.model.optimizer, LossScaleOptimizer):
-            step += self.scaler_step_shift  # stashed at our scaler's step
+        if step:
+            step = self._in_record_numbering(step)
+        if step in self._bad_batch_steps:
+            return {"layer": None, "reason": "not_replayed"}, (
+                f"not replayed: the batch kept is step {step}'s, which held "
+                "Inf/NaN (`read_every_steps=1` replays every step's own)"
+            )
         if not batches or not self.replay:
-            return step, {"layer": None, "reason": "no_replay"}
+            culprit = {"layer": None, "reason": "no_replay"}
+        else:
+            culprit = self._replay(step, batches)
+        return culprit, f"replay of step {step}: {culprit['reason']}"
+
+    def _replay(self, step, batches):
+        """Return the replay's verdict on `step`'s batches (once per step)."""
         if step not in self._replayed:
             # Each local replica's share: the first that overflows names it.
             for data in batches:
@@ -123,7 +156,7 @@ class EventCollector:
                 if culprit["layer"]:
                     break
             self._replayed = {step: culprit}
-        return step, self._replayed[step]
+        return self._replayed[step]
 
     def _unwatched_forward(self, record):
         """Return True for a possible forward overflow the loss did not show.
@@ -168,11 +201,11 @@ class EventCollector:
             or self._unwatched_forward(record)
             or self._trusted_backward(record)
         ):
-            step, culprit = self._forward_culprit()
+            culprit, evidence = self._forward_culprit(record.step)
         if culprit is not None and (loss_nonfinite or culprit["layer"]):
             event["direction"] = "forward"
             event["layers"] = [culprit["layer"]] if culprit["layer"] else []
-            event["evidence"] = f"replay of step {step}: {culprit['reason']}"
+            event["evidence"] = evidence
             if not loss_nonfinite:
                 event["evidence"] += " (the loss stayed finite)"
         else:

@@ -7,6 +7,8 @@ still overflows (`"type": "denial_without_effect"`), each with the number of
 the run (`"run"`) that wrote it; runs in one directory are appended. Every line
 is flushed when written, so a crash loses nothing already reported, and the
 file can be cut back to a known line count when an interrupted `fit` resumes.
+Files go through TensorFlow's file systems (`tf.io.gfile`), as TensorBoard's
+event files do, so a `log_dir` such as `gs://bucket/logs` holds all of them.
 """
 
 import json
@@ -25,17 +27,26 @@ def check_writable(log_dir: str) -> None:
     """Raise a clear error unless files can be created in `log_dir`."""
     probe = os.path.join(log_dir, ".amp_monitor_write_check")
     try:
-        os.makedirs(log_dir, exist_ok=True)
-        with open(probe, "w") as f:
+        tf.io.gfile.makedirs(log_dir)
+        with tf.io.gfile.GFile(probe, "w") as f:
             f.write("ok")
-        os.remove(probe)
-    except OSError as error:
+        tf.io.gfile.remove(probe)
+    except (OSError, tf.errors.OpError) as error:
         raise ValueError(
             "AMPMonitor cannot write to its `log_dir` (TensorBoard run "
             f"'{TENSORBOARD_RUN}', {EVENTS_FILE} and the monitor state go there): "
             f"{error}. Pass a writable directory or `log_dir=None` to log to "
             f"Python logging only. Received: log_dir={log_dir!r}"
         ) from error
+    for name, directory in ((TENSORBOARD_RUN, True), (EVENTS_FILE, False)):
+        path = os.path.join(log_dir, name)
+        if tf.io.gfile.exists(path) and tf.io.gfile.isdir(path) != directory:
+            raise ValueError(
+                f"AMPMonitor writes its {'TensorBoard run' if directory else 'events'}"
+                f" to {path}, which exists as a "
+                f"{'file' if directory else 'directory'}. Move it away or pass "
+                f"another `log_dir`. Received: log_dir={log_dir!r}"
+            )
 
 
 class EventLog:
@@ -63,15 +74,16 @@ class EventLog:
             return
         check_writable(self.log_dir)
         lines = []
-        if os.path.exists(self.events_path):
-            with open(self.events_path) as f:
+        if tf.io.gfile.exists(self.events_path):
+            with tf.io.gfile.GFile(self.events_path) as f:
                 lines = f.readlines()
         if keep_lines is not None and keep_lines < len(lines):
             lines = lines[:keep_lines]
-            with open(self.events_path, "w") as f:
-                f.writelines(lines)
+            with tf.io.gfile.GFile(self.events_path, "w") as f:
+                f.write("".join(lines))
         self.lines_written = len(lines)
-        self._file = open(self.events_path, "a")  # noqa: SIM115 - kept open
+        self._file = tf.io.gfile.GFile(self.events_path, "a")
+        self._file.write("")  # creates the file: a run without events has one
         self._writer = tf.summary.create_file_writer(
             os.path.join(self.log_dir, TENSORBOARD_RUN)
         )

@@ -191,6 +191,7 @@ class MonitorSession:
                     state.epoch_offset = (
                         previous.epoch_offset + previous.epoch + 1 - epoch
                     )
+                    state.run_epoch_offset = state.epoch_offset
                     # One cumulative series on one TensorBoard step axis.
                     state.skipped_steps = previous.skipped_steps
                     if self._model_keeps_lists_of(previous):
@@ -279,7 +280,6 @@ class MonitorSession:
         self.recorder.begin_epoch()
         self.epoch = epoch
         self.epoch_events = []
-        self.last_batch = -1
         self.read_at = 0
 
     def before_batch(self, batch: int) -> None:
@@ -288,14 +288,9 @@ class MonitorSession:
         Called as batch `batch` begins, when steps `0 .. batch - 1` of the
         epoch are done.
         """
-        self.last_batch = batch
         if batch - self.read_at >= self.read_every:
             self.epoch_events.extend(self.drain())
             self.read_at = batch
-
-    def steps_in_epoch(self) -> int:
-        """Return the number of train steps of the current epoch."""
-        return self.last_batch + 1
 
     def drain(self, force_scalars: bool = False) -> list:
         """Read, attribute and write the events since the last read.
@@ -303,7 +298,7 @@ class MonitorSession:
         The step scalars are written when they changed (or when forced, at the
         end of an epoch): most reads find nothing new and cost one host read.
         """
-        events = self.collector.collect(self.epoch)
+        events = self.collector.collect(self.record_epoch(self.epoch))
         # Each worker replayed its own batch: every worker takes the union.
         distribution.agree_on_layers(self.strategy, events, list(self.index.by_path))
         state = self.memory.state
@@ -340,6 +335,16 @@ class MonitorSession:
             return
         self._last_scale_point = (step, value)
         self.log.scalars({"amp/loss_scale": value}, step=step)
+
+    def record_epoch(self, epoch: int) -> int:
+        """Return the run's number of this `fit`'s `epoch` (for the records).
+
+        A monitor's further `fit`s of the same model continue its run, and
+        their epochs continue its numbering, as TensorBoard's per-epoch
+        scalars do: `(run, epoch)` names one epoch.
+        """
+        state = self.memory.state
+        return state.epoch_offset - state.run_epoch_offset + epoch
 
     def tensorboard_step(self, step: int | None = None) -> int:
         """Return the TensorBoard step of train step `step` (default: the last)."""
@@ -394,7 +399,7 @@ class MonitorSession:
         self.log.write_record(
             {
                 "type": "scale_restored",
-                "epoch": epoch,
+                "epoch": self.record_epoch(epoch),
                 "run": self.memory.state.run,
                 "from": current,
                 "to": target,
@@ -491,7 +496,7 @@ class MonitorSession:
                 self.log.write_record(
                     {
                         "type": "denial_without_effect",
-                        "epoch": epoch,
+                        "epoch": self.record_epoch(epoch),
                         "run": state.run,
                         "layer": layer,
                         "evidence": event["evidence"],
@@ -520,7 +525,7 @@ class MonitorSession:
                 self.log.write_record(
                     {
                         "type": "list_change",
-                        "epoch": epoch,
+                        "epoch": self.record_epoch(epoch),
                         "run": memory.state.run,
                         **change,
                     }
@@ -547,7 +552,7 @@ class MonitorSession:
         """Report the epoch, adapt the lists, fill `logs`, save the state."""
         self.epoch_events.extend(self.drain(force_scalars=True))
         events = self.epoch_events
-        steps = self.steps_in_epoch()
+        steps = self.recorder.steps_in_epoch()
         memory = self.memory
         evidence = memory.rule.evidence(events)
         self.report_epoch(epoch, events, steps, evidence)
@@ -565,27 +570,31 @@ class MonitorSession:
             logs["loss_scale"] = self.loss_scale()
         self._snapshot(epoch)
 
+    def _counters(self) -> dict:
+        """Return the `MonitorState` counters of the record as it stands."""
+        return {
+            "total_steps": int(self.recorder.total_steps.numpy()),
+            "recorder_events": self.collector.recorder_cursor,
+            "scaler_events": self.collector.scaler_cursor,
+            "jsonl_lines": self.log.lines_written,
+        }
+
     def _snapshot(self, epoch: int) -> None:
         """Save everything a resumed `fit` needs."""
-        state = self.memory.snapshot(
-            epoch,
-            self.editor.get_state(),
-            total_steps=int(self.recorder.total_steps.numpy()),
-            recorder_events=self.collector.recorder_cursor,
-            scaler_events=self.collector.scaler_cursor,
-            jsonl_lines=self.log.lines_written,
-        )
+        state = self.memory.snapshot(epoch, self.editor.get_state(), **self._counters())
         state_module.save_snapshot(self.write_dir, state, self.snapshots)
         self.log.flush()
 
     def abort(self) -> None:
         """Undo what `close` undoes when `fit` stops on an exception in a step.
 
-        Keras calls no `on_train_end` then: the logs are flushed, the model
-        gets its own step back and a graph engine's rewrite is switched off,
-        so later models of the process train as they would without the
-        monitor. Nothing is kept for the next `fit` to reuse.
+        Keras calls no `on_train_end` then: the events recorded since the
+        last read are read and written (`_report_unread`), the logs flushed,
+        the model gets its own step back and a graph engine's rewrite is
+        switched off, so later models of the process train as they would
+        without the monitor. Nothing is kept for the next `fit` to reuse.
         """
+        self._report_unread()
         self.log.close()
         self.recorder.on_abort = lambda: None
         self.recorder.uninstall()
@@ -593,6 +602,26 @@ class MonitorSession:
             self.engine.restore()  # rebuilds the model's functions
         else:
             self.model.make_train_function(force=True)
+
+    def _report_unread(self) -> None:
+        """Write the events of the steps since the last read (see `abort`).
+
+        Those steps ran (an overflow step was skipped, the others applied):
+        the record moves past them and their epoch, so this monitor's next
+        `fit` numbers its steps and epochs after them. A resumed `fit` still
+        starts from the last saved epoch and cuts these lines, as it does
+        any interrupted epoch's.
+        """
+        if not self.started:
+            return
+        try:
+            self.drain(force_scalars=True)
+        except Exception:  # the step's own error is the one to raise
+            logger.exception(
+                "AMPMonitor could not read the events of the interrupted epoch."
+            )
+            return
+        self.memory.advance(epoch=self.epoch, **self._counters())
 
     def close(self) -> StepCache:
         """Flush, close and uninstall (end of `fit`); return the step to reuse."""

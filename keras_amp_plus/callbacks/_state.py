@@ -9,14 +9,18 @@ adaptation rule's memory, its step and event counters, its read cursors, and the
 number of lines of `amp_events.jsonl` written so far. A resumed `fit` starting at
 epoch E loads the snapshot of epoch E - 1 and cuts the JSON-lines file back to
 that length, so events of the interrupted epoch are not counted twice.
-A few recent snapshots are kept because `BackupAndRestore` may have saved an
-older epoch than the monitor (the two write at slightly different moments).
+The file goes through TensorFlow's file systems (`tf.io.gfile`), as the
+monitor's other logs do. A few recent snapshots are kept because
+`BackupAndRestore` may have saved an older epoch than the monitor (the two
+write at slightly different moments).
 """
 
 import dataclasses
 import json
 import os
 import weakref
+
+import tensorflow as tf
 
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks._adaptation import AdaptationRule
@@ -50,6 +54,9 @@ class MonitorState:
             previous run stopped). Defaults to `0`.
         epoch_offset: TensorBoard step of epoch 0 of the current `fit`.
             Defaults to `0`.
+        run_epoch_offset: TensorBoard step of the run's epoch 0: records
+            number epochs from it, across the run's `fit` calls. Defaults
+            to `0`.
     """
 
     epoch: int = -1
@@ -64,6 +71,7 @@ class MonitorState:
     run: int = 1
     step_offset: int = 0
     epoch_offset: int = 0
+    run_epoch_offset: int = 0
 
     def to_dict(self) -> dict:
         """Return the state as JSON-serializable data."""
@@ -135,6 +143,16 @@ class MonitorMemory:
         self.lists = PrecisionLists.from_config(state.lists)
         self.rule.set_state(state.adaptation.get("rule", {}))
 
+    def advance(self, **counters) -> None:
+        """Set `MonitorState` fields mid-epoch (a `fit` stopped by an error).
+
+        Nothing is saved: a `fit` resumed from the state file starts after
+        the last saved epoch, while this monitor's next `fit` continues from
+        the fields set here (the steps and the epoch that ran).
+        """
+        for name, value in counters.items():
+            setattr(self.state, name, value)
+
     def snapshot(self, epoch: int, editor_state: dict, **counters) -> MonitorState:
         """Fold the end of `epoch` into the state and return it.
 
@@ -159,18 +177,36 @@ def state_path(log_dir: str) -> str:
 
 def load_snapshots(log_dir: str | None) -> dict[int, MonitorState]:
     """Return `{epoch: state}` from the state file ({} if there is none)."""
-    if not log_dir or not os.path.exists(state_path(log_dir)):
+    if not log_dir or not tf.io.gfile.exists(state_path(log_dir)):
         return {}
-    with open(state_path(log_dir)) as f:
-        data = json.load(f)
-    if data.get("format") != FORMAT_VERSION:
+    with tf.io.gfile.GFile(state_path(log_dir)) as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+        written_format = data.get("format")
+    except (ValueError, AttributeError) as error:
+        raise _unreadable(log_dir, error, text) from error
+    if written_format != FORMAT_VERSION:
         raise ValueError(
             f"{state_path(log_dir)} was written by another version of AMPMonitor "
             f"and cannot be resumed. Expected format {FORMAT_VERSION}. Delete the "
-            f"file or use another `log_dir`. Received: format={data.get('format')}"
+            f"file or use another `log_dir`. Received: format={written_format}"
         )
-    states = (MonitorState.from_dict(s) for s in data["snapshots"])
+    try:
+        states = [MonitorState.from_dict(s) for s in data["snapshots"]]
+    except (KeyError, TypeError, AttributeError) as error:
+        raise _unreadable(log_dir, error, text) from error
     return {state.epoch: state for state in states}
+
+
+def _unreadable(log_dir: str, error: Exception, text: str) -> ValueError:
+    return ValueError(
+        f"{state_path(log_dir)} is not a state file AMPMonitor can read "
+        f"({type(error).__name__}: {error}); it holds the snapshots a resumed "
+        "`fit` continues from. Expected the JSON object AMPMonitor writes. "
+        "Delete the file (the next `fit` starts a new run there) or use "
+        f"another `log_dir`. Received: {text[:80]!r}"
+    )
 
 
 def save_snapshot(
@@ -199,12 +235,12 @@ def save_snapshot(
         "snapshots": [snapshots[e] for e in sorted(snapshots)],
     }
     temporary = state_path(log_dir) + ".tmp"
-    with open(temporary, "w") as f:
+    with tf.io.gfile.GFile(temporary, "w") as f:
         json.dump(data, f, sort_keys=True)
-    os.replace(temporary, state_path(log_dir))
+    tf.io.gfile.rename(temporary, state_path(log_dir), overwrite=True)
 
 
 def clear_state(log_dir: str | None) -> None:
     """Remove the state file (a fresh `fit` from epoch 0 starts a new record)."""
-    if log_dir and os.path.exists(state_path(log_dir)):
-        os.remove(state_path(log_dir))
+    if log_dir and tf.io.gfile.exists(state_path(log_dir)):
+        tf.io.gfile.remove(state_path(log_dir))

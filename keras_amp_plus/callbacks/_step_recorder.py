@@ -75,12 +75,39 @@ WRAPPED_ATTRIBUTES = (
 END_OF_DATA = (StopIteration, tf.errors.OutOfRangeError)
 
 
-def _nan_like(value):
-    """Return NaN in the shape of a float metric result; others unchanged."""
+# What a metric reads after an epoch with no applied step, by the way it
+# improves: never better than a measured value, for `EarlyStopping`,
+# `ModelCheckpoint(save_best_only=True)` and `ReduceLROnPlateau` (Keras 3
+# takes the first value they see for the best, NaN included, and no value
+# beats NaN after it). NaN where the direction is unknown.
+_WORST = {"down": float("inf"), "up": float("-inf")}
+
+
+def _no_value_like(value, direction):
+    """Return the worst `value` of `direction` (float results); others unchanged."""
     value = tf.convert_to_tensor(value)
     if not value.dtype.is_floating:
         return value
-    return tf.fill(tf.shape(value), tf.constant(float("nan"), value.dtype))
+    worst = _WORST.get(direction, float("nan"))
+    return tf.fill(tf.shape(value), tf.constant(worst, value.dtype))
+
+
+def _metric_directions(model) -> dict:
+    """Return `{result name: "up" or "down"}` for the model's known metrics."""
+    directions = {}
+    for metric in model.metrics:
+        # `compile`'s metrics come as one container of the metrics it built.
+        for inner in (metric, *getattr(metric, "metrics", ())):
+            direction = _compat.metric_direction(inner)
+            if direction is not None:
+                directions[inner.name] = direction
+    return directions
+
+
+def _direction_of(name, directions):
+    if name == "loss" or name.endswith("_loss"):
+        return "down"
+    return directions.get(name)
 
 
 def _variable(name, shape, dtype):
@@ -160,6 +187,15 @@ class StepRecorder:
             self.total_steps = _variable("amp_monitor_total_steps", (), tf.int64)
             self.event_count = _variable("amp_monitor_event_count", (), tf.int64)
             self.stash_step = _variable("amp_monitor_stash_step", (), tf.int64)
+            # The steps whose kept batch held Inf or NaN (bad data, no
+            # layer's overflow), a ring as long as the event ring: the stash
+            # holds one batch, and events read together are replayed once.
+            self._bad_batch_ring = _variable(
+                "amp_monitor_bad_batch_steps", [capacity], tf.int64
+            )
+            self._bad_batch_count = _variable(
+                "amp_monitor_bad_batch_count", (), tf.int64
+            )
             # Our scaler records the events itself: no ring of our own then.
             self.ring = None if self.kind == SCALER_KAP else _EventRing(capacity)
         self._stash_variables = None
@@ -235,23 +271,38 @@ class StepRecorder:
         """Note where the epoch starts (`fit` has just reset the metrics)."""
         self._steps_before_epoch = int(self.total_steps.numpy())
 
+    def steps_in_epoch(self) -> int:
+        """Return the train steps the current epoch ran so far.
+
+        Counted in the step itself: `fit`'s batch hooks see only the first
+        step of each execution under `steps_per_execution`.
+        """
+        return int(self.total_steps.numpy()) - self._steps_before_epoch
+
     def _wrap_get_metrics_result(self, original_get_metrics_result):
-        """Report NaN, not Keras's 0, for metrics every step of the epoch left.
+        """Report the worst value, not Keras's 0, for metrics no step measured.
 
         Where the skipped steps are left out of the metrics
         (`exclude_skipped_steps`) and every step of the epoch so far was
         skipped, the metrics hold no value: Keras would report their empty
         state as 0, a loss that `ModelCheckpoint(save_best_only=True)` takes
-        for the best. `fit` reads the epoch's logs through this method before
+        for the best. Instead the loss (and metrics that improve downwards)
+        reads `inf`, those that improve upwards (accuracy) `-inf`, others
+        NaN: no measured value is worse, so no callback takes the epoch for
+        its best. `fit` reads the epoch's logs through this method before
         any callback sees them, so every callback, before the monitor or
-        after it, sees NaN. Inside the step's function it is Keras's own.
+        after it, sees these. Inside the step's function it is Keras's own.
         """
 
         def get_metrics_result():
             results = original_get_metrics_result()
             if tf.inside_function() or not self._every_step_left_out():
                 return results
-            return {name: _nan_like(value) for name, value in results.items()}
+            directions = _metric_directions(self.model)
+            return {
+                name: _no_value_like(value, _direction_of(name, directions))
+                for name, value in results.items()
+            }
 
         return get_metrics_result
 
@@ -259,7 +310,7 @@ class StepRecorder:
         """Return True when the epoch ran steps and its metrics hold none."""
         if self._metric_values() is None:  # nothing is left out
             return False
-        steps = int(self.total_steps.numpy()) - self._steps_before_epoch
+        steps = self.steps_in_epoch()
         # Put back after each skipped step, the metrics still hold the
         # zeros `fit` reset them to at the epoch's start.
         variables = self._metric_variables()
@@ -499,6 +550,7 @@ class StepRecorder:
 
     def _stash(self, leaves, step):
         """Keep the batch of a forward overflow for the replay (if it fits)."""
+        self._note_bad_batch(_holds_non_finite(leaves), step)
         fits = self._batch_fits(leaves)
 
         def write_stash():
@@ -511,10 +563,18 @@ class StepRecorder:
 
     def _stash_selected(self, leaves, step, keep):
         """`_stash` as selects: the buffers take the batch where `keep` holds."""
+        self._note_bad_batch(keep & _holds_non_finite(leaves), step)
         keep &= self._batch_fits(leaves)
         for buffer, tensor in zip(self._stash_variables, leaves, strict=True):
             buffer.write_where(keep, tensor)
         self.stash_step.assign(tf.where(keep, step, self.stash_step))
+
+    def _note_bad_batch(self, bad, step):
+        """Add `step` to the bad batches' ring where the scalar `bad` holds."""
+        slot = self._bad_batch_count % self.capacity
+        current = tf.gather(tf.convert_to_tensor(self._bad_batch_ring), slot)
+        _put(self._bad_batch_ring, slot, tf.where(bad, step, current))
+        self._bad_batch_count.assign_add(tf.cast(bad, tf.int64))
 
     def _batch_fits(self, leaves):
         """Return a boolean tensor: True when every leaf fits in its buffer."""
@@ -567,6 +627,16 @@ class StepRecorder:
             batches.append(tf.nest.pack_sequence_as(structure, flat))
         return step, batches
 
+    def bad_batch_steps(self) -> set[int]:
+        """Return the steps (of the last `capacity`) whose kept batch held Inf/NaN.
+
+        Any local replica's share: under `MirroredStrategy` each checked its own.
+        """
+        steps = set()
+        for ring in self.strategy.experimental_local_results(self._bad_batch_ring):
+            steps.update(int(step) for step in ring.numpy() if step > 0)
+        return steps
+
     def read_records(self, since_count: int) -> tuple[list[OverflowRecord], int]:
         """Return the events recorded after the `since_count`-th and the new count.
 
@@ -582,9 +652,15 @@ class StepRecorder:
         return records, count
 
     def restore_counters(self, total_steps: int, event_count: int) -> None:
-        """Set the counters after a resume so step numbers continue exactly."""
+        """Set the counters after a resume so step numbers continue exactly.
+
+        The bad batches' ring is emptied: a resumed epoch runs its steps, and
+        their numbers, again.
+        """
         self.total_steps.assign(total_steps)
         self.event_count.assign(event_count)
+        self._bad_batch_ring.assign(tf.zeros_like(self._bad_batch_ring))
+        self._bad_batch_count.assign(0)
 
 
 class _EventRing:
@@ -761,6 +837,15 @@ def _has_sublayers(layer):
         not isinstance(sub, keras.layers.InputLayer)
         for sub in _compat.direct_sublayers(layer)
     )
+
+
+def _holds_non_finite(leaves):
+    """Return a boolean tensor: True when a floating leaf holds Inf or NaN."""
+    non_finite = tf.constant(False)
+    for tensor in leaves:
+        if tensor.dtype.is_floating:
+            non_finite |= tf.reduce_any(~tf.math.is_finite(tensor))
+    return non_finite
 
 
 def _finite_or_none(value):

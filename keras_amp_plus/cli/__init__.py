@@ -12,6 +12,7 @@ report a wrong backend or a broken install.
 """
 
 import argparse
+import os
 
 
 def _positive_float(text: str) -> float:
@@ -28,6 +29,15 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, received {text}")
     return value
+
+
+def _directory(text: str) -> str:
+    """Parse a directory path for argparse: one that exists as a file is refused."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"must be a directory (created if missing), received {text}, a file"
+        )
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--log-dir",
+        type=_directory,
         default="logs/demo",
         help=(
             "TensorBoard log directory (default: logs/demo); a previous demo's "

@@ -9,8 +9,9 @@ layer followed by Swish in each form: Keras's formula (`tf.nn.silu` in the
 compute dtype, `Activation("swish")`), TensorFlow's `silu` widened to float32
 and rounded once (`widened_silu`), the layer's own forms keeping the sigmoid
 (`kept`: a half-precision input's float32 sigmoid, a float32 input's read off
-the output) and recomputing it (`recomputed`), and the `Swish` layer as it
-chooses (`layer`). The layers before: none, the package's
+the output) and recomputing it (`recomputed`; with `swish_xla.py`'s
+exponential of plain arithmetic ops, `recomputed_polynomial_exp`), and the
+`Swish` layer as it chooses (`layer`). The layers before: none, the package's
 InstanceNormalization, a 3x3 Conv2D; CNN activation shapes from 1M to 16M
 elements; per policy. Interleaved (`layers.time_interleaved`), median process
 CPU time; prints each form's time as a ratio to Keras's formula and writes
@@ -20,6 +21,7 @@ Usage: python benchmarks/swish_in_context.py [--quick] [--reps N]
     [--dtypes ...] [--output PATH]
 """
 
+import contextlib
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -29,6 +31,7 @@ import keras
 import tensorflow as tf
 from layers import time_interleaved
 from machine import sweep_options, write_results
+from swish_xla import polynomial_exponentials
 
 from keras_amp_plus import layers
 from keras_amp_plus.layers import _swish_activation
@@ -68,6 +71,7 @@ FORMS = {
     "widened_silu": widened_silu,
     "kept": kept,
     "recomputed": recomputed,
+    "recomputed_polynomial_exp": recomputed,  # traced in polynomial_exponentials
     "layer": None,  # a `layers.Swish()` of the step's policy
 }
 
@@ -81,16 +85,16 @@ def layer_before(name, policy, channels):
     return None
 
 
-def xla_step(before, form, policy, shape):
-    """Return a `jit_compile=True` step: `before`, then `form`, forward + backward."""
+def xla_step(before, name, policy, shape):
+    """Return a `jit_compile=True` step: `before`, then form `name`, both passes."""
     first = layer_before(before, policy, shape[-1])
     if first is not None:
         first.build(shape)
-    swish = form or layers.Swish(dtype=policy)
+    swish = FORMS[name] or layers.Swish(dtype=policy)
     compute = keras.DTypePolicy(policy).compute_dtype
+    polynomial = name == "recomputed_polynomial_exp"
 
-    @tf.function(jit_compile=True)
-    def step(x, upstream):
+    def forward_and_backward(x, upstream):
         with tf.GradientTape() as tape:
             tape.watch(x)
             inputs = tf.cast(x, compute) if first is None else first(x)
@@ -103,6 +107,12 @@ def xla_step(before, form, policy, shape):
         # not write them, and the forms that read them back would pay alone.
         return outputs, gradients
 
+    @tf.function(jit_compile=True)
+    def step(x, upstream):
+        # The gradient is traced in the context too.
+        with polynomial_exponentials() if polynomial else contextlib.nullcontext():
+            return forward_and_backward(x, upstream)
+
     return step
 
 
@@ -111,9 +121,7 @@ def time_cell(before, dtype, shape, reps):
     policy = POLICIES[dtype]
     x = tf.random.stateless_normal(shape, (1, 2))
     upstream = tf.random.stateless_normal(shape, (3, 4))
-    steps = {
-        name: xla_step(before, form, policy, shape) for name, form in FORMS.items()
-    }
+    steps = {name: xla_step(before, name, policy, shape) for name in FORMS}
     return time_interleaved(steps, (x, upstream), reps)[0]
 
 

@@ -5,11 +5,15 @@ import os
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import (
+    BATCH,
     STEPS_PER_EPOCH,
     overflow_model,
     read_jsonl,
+    read_tensorboard,
     regression_data,
+    scalar_series,
     train,
 )
 
@@ -77,6 +81,10 @@ def test_resumed_fit_matches_uninterrupted(tmp_path, adapt):
     assert len(steps) == len(set(steps))  # no event counted twice
     attributed = [r for r in overflow if r["trusted"]]
     assert len(attributed) == (STEPS_PER_EPOCH if adapt else 4 * STEPS_PER_EPOCH)
+    # The lists in force from epoch 1 (with adapt=True written when they
+    # changed, at the end of epoch 0) are written there once.
+    lists_steps = [e.step for e in read_tensorboard(log_dir).Tensors("amp/lists")]
+    assert lists_steps == [0, 1]
 
 
 def test_lists_survive_save_and_load(tmp_path):
@@ -168,3 +176,42 @@ def test_one_monitor_for_two_models_reports_each_models_events(tmp_path):
         (e["run"], e["step"]) for e in read_jsonl(log_dir) if e["type"] == "overflow"
     ]
     assert runs == [(1, 1), (1, 5), (2, 1), (2, 5)]
+
+
+def test_a_fit_stopped_by_an_error_in_a_step_writes_its_unread_events(tmp_path):
+    # `hot` overflows on every step; the data breaks at step 4 of epoch 1,
+    # before the monitor's read (every 64 steps, at the epoch end): the
+    # events of steps 9-11 were only in the scaler's records.
+    log_dir = str(tmp_path)
+    model = overflow_model("mixed_float16", on_min_scale="ignore")
+    x, y = regression_data()
+
+    def batches():
+        for epoch in range(2):
+            for step in range(STEPS_PER_EPOCH):
+                if epoch == 1 and step == 3:
+                    raise RuntimeError("a broken record")
+                yield x[step * BATCH : (step + 1) * BATCH], y[:BATCH]
+
+    signature = (tf.TensorSpec((BATCH, 4)), tf.TensorSpec((BATCH, 1)))
+    data = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    monitor = AMPMonitor(log_dir, adapt=False)
+    with pytest.raises(Exception, match="a broken record"):
+        model.fit(
+            data,
+            epochs=2,
+            steps_per_epoch=STEPS_PER_EPOCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=[monitor],
+        )
+    events = [r for r in read_jsonl(log_dir) if r["type"] == "overflow"]
+    ran = STEPS_PER_EPOCH + 3
+    assert [r["step"] for r in events] == list(range(1, ran + 1))
+    assert [r["epoch"] for r in events[STEPS_PER_EPOCH:]] == [1, 1, 1]
+    skipped = scalar_series(read_tensorboard(log_dir), "amp/skipped_steps")
+    assert max(skipped.values()) == ran
+    # The monitor's next `fit` continues after the steps and epoch that ran.
+    train(model, [monitor], epochs=1)
+    later = [r for r in read_jsonl(log_dir) if r["type"] == "overflow"][ran:]
+    assert later and all(r["step"] > ran and r["epoch"] == 2 for r in later)

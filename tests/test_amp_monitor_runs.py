@@ -439,3 +439,27 @@ def test_a_log_dir_on_another_file_system_holds_every_file(tmp_path, monkeypatch
     with tf.io.gfile.GFile(f"{log_dir}/amp_events.jsonl") as f:
         runs = {line.split('"run": ')[1].split(",")[0] for line in f}
     assert runs == {"1", "2"}
+
+
+def test_a_run_continued_by_another_fit_writes_each_point_once(tmp_path):
+    model = overflow_model("mixed_float16")
+    monitor = AMPMonitor(str(tmp_path))
+    train(model, [monitor], epochs=1)
+    train(model, [monitor], epochs=2)
+    accumulator = read_tensorboard(str(tmp_path))
+    # A scale put back is two points at one step (before and after); no
+    # point is written twice.
+    for tag in ("amp/loss_scale", "amp/lists", "amp/skipped_steps"):
+        points = [
+            (event.step, tf.make_ndarray(event.tensor_proto).tobytes())
+            for event in accumulator.Tensors(tag)
+        ]
+        assert len(points) == len(set(points)), tag
+        assert [step for step, _ in points] == sorted(step for step, _ in points)
+    # The second `fit` continues the run: its epochs are the run's 1 and 2.
+    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    assert all(
+        r["epoch"] == (r["step"] - 1) // STEPS_PER_EPOCH and r["run"] == 1
+        for r in events
+    )
+    assert sorted(scalar_series(accumulator, "amp/overflow_events")) == [0, 1, 2]

@@ -6,6 +6,7 @@ reads the monitor's settings; what the monitor knows across `fit` calls (its
 state, lists and rule) it changes only through the `MonitorMemory` it is given.
 """
 
+import json
 import logging
 
 from keras_amp_plus import _compat
@@ -156,7 +157,6 @@ class MonitorSession:
         self.started = False
         self.epoch_events = []
         self._written_scalars = None
-        self._last_scale_point = None  # (TensorBoard step, value)
         self.snapshots = {}
 
     # -- start / resume ----------------------------------------------------------
@@ -224,9 +224,7 @@ class MonitorSession:
         self.log.open(keep_lines=state.jsonl_lines if continuing else None)
         # A graph engine switches its rewrite on even with empty lists.
         self.engine.start(self.model, memory.lists)
-        self.log.text(
-            "amp/lists", memory.lists.to_markdown(), state.epoch_offset + epoch
-        )
+        self._log_lists(state.epoch_offset + epoch)
         self.started = True
 
     def _scaler_count(self) -> int:
@@ -328,13 +326,28 @@ class MonitorSession:
         after that epoch's last step, the value the next step starts from
         (TensorBoard reads the last point of a step).
         """
-        last = self._last_scale_point
+        state = self.memory.state
+        # Kept in the state: the run's next `fit` continues the same series.
+        last = state.last_scale_point
         if value is None or (last is not None and step < last[0]):
             return
-        if (step, value) == last:
+        if [step, value] == last:
             return
-        self._last_scale_point = (step, value)
+        state.last_scale_point = [step, value]
         self.log.scalars({"amp/loss_scale": value}, step=step)
+
+    def _log_lists(self, step: int) -> None:
+        """Write `amp/lists` at `step`, unless these lists are there already.
+
+        A `fit` resumed or continued at the epoch after a change finds the
+        new lists written at its first epoch.
+        """
+        lists = self.memory.lists
+        logged = [step, json.dumps(lists.get_config(), sort_keys=True)]
+        if self.memory.state.lists_logged == logged:
+            return
+        self.memory.state.lists_logged = logged
+        self.log.text("amp/lists", lists.to_markdown(), step)
 
     def record_epoch(self, epoch: int) -> int:
         """Return the run's number of this `fit`'s `epoch` (for the records).
@@ -564,7 +577,7 @@ class MonitorSession:
                 step = memory.state.epoch_offset + epoch
                 self.log.text("amp/changes", changes_markdown(changes), step)
                 # The new lists take effect from the next epoch.
-                self.log.text("amp/lists", memory.lists.to_markdown(), step + 1)
+                self._log_lists(step + 1)
         if logs is not None and self.loss_scale() is not None:
             # After `adapt`, which may have put the scale back.
             logs["loss_scale"] = self.loss_scale()

@@ -57,6 +57,10 @@ class MonitorState:
         run_epoch_offset: TensorBoard step of the run's epoch 0: records
             number epochs from it, across the run's `fit` calls. Defaults
             to `0`.
+        last_scale_point: `[TensorBoard step, value]` of the last
+            `amp/loss_scale` point written, or None. Defaults to `None`.
+        lists_logged: `[TensorBoard step, lists config as JSON]` of the
+            last `amp/lists` text written, or None. Defaults to `None`.
     """
 
     epoch: int = -1
@@ -72,6 +76,8 @@ class MonitorState:
     step_offset: int = 0
     epoch_offset: int = 0
     run_epoch_offset: int = 0
+    last_scale_point: list | None = None
+    lists_logged: list | None = None
 
     def to_dict(self) -> dict:
         """Return the state as JSON-serializable data."""

@@ -124,6 +124,42 @@ def test_bad_entries_raise_before_any_global_change(tmp_path):
     assert engine.dump_dir is None
 
 
+@pytest.mark.parametrize(
+    ("lists", "match"),
+    [
+        (
+            PrecisionLists(deny_layers=("d2",), deny_ops=("Exp",)),
+            r"cannot put these layers back into float32.*\['d2'\]",
+        ),
+        (PrecisionLists(deny_ops=("MatMul",)), "op lists would change nothing"),
+    ],
+    ids=["deny_layers", "deny_ops"],
+)
+def test_lists_a_mixed_model_ignores_raise_before_any_global_change(
+    tmp_path, lists, match
+):
+    # The rewrite lowers float32 ops; a bfloat16 policy's layers stay
+    # bfloat16 whatever the lists say (before, the denial passed silently).
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = _model()
+    keras.config.set_dtype_policy("float32")
+    environment = {name: os.environ.get(name) for name in TOUCHED_VARIABLES}
+    options = tf.config.optimizer.get_experimental_options()
+    engine = GrapplerEngine(log_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=match) as info:
+        engine.apply(model, lists)
+    assert "engine='keras'" in str(info.value) and "Received: " in str(info.value)
+    assert {name: os.environ.get(name) for name in TOUCHED_VARIABLES} == environment
+    assert tf.config.optimizer.get_experimental_options() == options
+    # With a float32 output layer, op lists act on it: no error.
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = _model()
+    keras.config.set_dtype_policy("float32")
+    model.get_layer("d2").dtype_policy = keras.DTypePolicy("float32")
+    engine.apply(model, PrecisionLists(deny_ops=("MatMul",)))
+    engine.restore()
+
+
 def test_xla_compiled_models_get_a_warning(tmp_path):
     engine = GrapplerEngine(log_dir=str(tmp_path))
     with pytest.warns(UserWarning, match=r"jit_compile=True.*no effect"):

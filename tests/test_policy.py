@@ -92,6 +92,19 @@ def test_config_and_json_round_trip():
     assert PrecisionLists.from_json(PrecisionLists().to_json()) == PrecisionLists()
 
 
+@pytest.mark.parametrize(
+    "config", [[("deny_layers", ["head"])], "deny_layers", None], ids=str
+)
+def test_from_config_takes_a_dict_only(config):
+    with pytest.raises(TypeError, match=r"takes a dict.*Received: config="):
+        PrecisionLists.from_config(config)
+
+
+def test_a_field_given_a_dict_is_refused():
+    with pytest.raises(TypeError, match=r"`deny_layers` must be a tuple of strings"):
+        PrecisionLists.from_config({"deny_layers": {"head": 1}})
+
+
 def test_from_config_rejects_unknown_keys():
     with pytest.raises(ValueError, match=r"Unknown `PrecisionLists` config keys"):
         PrecisionLists.from_config({"deny": ["MatMul"]})

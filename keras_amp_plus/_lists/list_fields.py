@@ -120,6 +120,53 @@ def _warn_of_denials_reaching_other_layers(model, lists, decisions, denied_ops):
     )
 
 
+LOW_PRECISION = ("float16", "bfloat16")
+
+
+def _check_graph_lists_act(model, lists, decisions) -> None:
+    """Raise where a graph engine's lists would silently change nothing.
+
+    A graph rewrite lowers float32 ops into a 16-bit type; it cannot put an op
+    back into float32 that a layer's dtype policy computes in float16 or
+    bfloat16 (a `mixed_*` model's layers): a denial of such a layer, or op
+    lists on a model whose every layer computes so, would do nothing.
+    """
+    chains = layer_names.layer_chains(model)
+    low = [
+        chains.get(id(layer), layer.name)
+        for layer, kind in decisions.values()
+        if kind == "deny" and layer.compute_dtype in LOW_PRECISION
+    ]
+    fix = (
+        "Deny layers of a mixed-precision model with engine='keras' (their "
+        "dtype policies), or build the model in float32 (the global policy "
+        "'float32') for the graph rewrite to lower."
+    )
+    if low:
+        raise ValueError(
+            "A graph engine cannot put these layers back into float32: they "
+            f"compute in a 16-bit type by their dtype policies: {low}. {fix} "
+            f"Received: deny_layers={lists.deny_layers!r}"
+        )
+    op_entries = {f"{name}_ops": getattr(lists, f"{name}_ops") for name in LIST_NAMES}
+    computing = [
+        layer.compute_dtype
+        for layer in layer_names.candidate_layers(model)
+        if layer.weights or not _compat.direct_sublayers(layer)
+    ]
+    if (
+        any(op_entries.values())
+        and computing
+        and all(dtype in LOW_PRECISION for dtype in computing)
+    ):
+        raise ValueError(
+            "A graph engine's op lists would change nothing here: every layer "
+            "of the model computes in a 16-bit type by its dtype policy, and the "
+            f"graph rewrite only lowers float32 ops. {fix} Received: "
+            + ", ".join(f"{k}={v!r}" for k, v in op_entries.items() if v)
+        )
+
+
 def op_placements(model, lists) -> dict:
     """Return `{op type: list name}` for a graph engine.
 
@@ -135,6 +182,7 @@ def op_placements(model, lists) -> dict:
     decisions = layer_names.layer_decisions(
         model, lists.allow_layers, lists.deny_layers
     )
+    _check_graph_lists_act(model, lists, decisions)
     placements = _layer_placements(model, lists, decisions)
     denied_by_layers = {op for op, kind in placements.items() if kind == "deny"}
     for name in LIST_NAMES:

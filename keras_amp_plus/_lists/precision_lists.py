@@ -197,6 +197,12 @@ class PrecisionLists:
         Args:
             config: a dict as returned by `get_config()`.
         """
+        if not isinstance(config, Mapping):
+            raise TypeError(
+                "`PrecisionLists.from_config` takes a dict as `get_config()` "
+                "returns it, e.g. {'deny_layers': ['head']}. Received: "
+                f"config={config!r} of type {type(config).__name__}"
+            )
         unknown = sorted(set(config) - set(LAYER_FIELDS + OP_FIELDS))
         if unknown:
             raise ValueError(

@@ -5,7 +5,7 @@ is wrong, what was expected, how to fix it, and `Received: field=value`.
 """
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from keras_amp_plus._lists import op_types
 
@@ -14,9 +14,10 @@ def as_names(value, field: str) -> tuple:
     """Normalize a str or an iterable of str to a tuple without duplicates."""
     if isinstance(value, str):
         value = (value,)
-    if not isinstance(value, Iterable):
+    if not isinstance(value, Iterable) or isinstance(value, Mapping):
         raise TypeError(
-            f"`{field}` must be a tuple of strings. Received: {field}={value!r}"
+            f"`{field}` must be a tuple of strings (layer names or op types), or "
+            f"one string. Pass e.g. {field}=('name',). Received: {field}={value!r}"
         )
     names = []
     for name in value:

@@ -160,6 +160,27 @@ def test_lists_a_mixed_model_ignores_raise_before_any_global_change(
     engine.restore()
 
 
+@pytest.mark.parametrize("order", ["first_applied_first", "last_applied_first"])
+def test_two_engines_restored_in_any_order_leave_the_process_as_before(tmp_path, order):
+    environment = {name: os.environ.get(name) for name in TOUCHED_VARIABLES}
+    options = tf.config.optimizer.get_experimental_options()
+    first = GrapplerEngine(log_dir=str(tmp_path / "first"))
+    second = GrapplerEngine(log_dir=str(tmp_path / "second"))
+    first.apply(_model(), PrecisionLists(deny_ops=("Exp",)))
+    second.apply(_model(), PrecisionLists(allow_ops=("Exp",)))
+    if order == "first_applied_first":
+        first.restore()
+        # The second engine is still on: its lists stay in force.
+        assert tf.config.optimizer.get_experimental_options()[GRAPPLER_OPTION]
+        second.restore()
+    else:
+        second.restore()
+        assert os.environ.get(DENY_ADD) == "Exp"  # the first engine's again
+        first.restore()
+    assert {name: os.environ.get(name) for name in TOUCHED_VARIABLES} == environment
+    assert tf.config.optimizer.get_experimental_options() == options
+
+
 def test_xla_compiled_models_get_a_warning(tmp_path):
     engine = GrapplerEngine(log_dir=str(tmp_path))
     with pytest.warns(UserWarning, match=r"jit_compile=True.*no effect"):

@@ -16,6 +16,11 @@ applies only and is deleted with the engine.
 
 The option and the variables are process-global: `restore()` puts back exactly
 what was there before the first `apply` (unset variables are unset again).
+Engines applied at the same time (two models, each with its own) stack: the
+state each one restores is the one before it, and an engine restored before
+one applied after it hands that state on to the later one, so once every
+engine is restored, in any order, the process is as before the first (until
+then the rewrite, a process-global switch, stays on for every model).
 """
 
 import os
@@ -100,6 +105,10 @@ def put_back_global_state(environment: dict, options: dict) -> None:
         )
     else:
         _compat.reset_grappler_option(GRAPPLER_OPTION)
+
+
+# The engines applied and not yet restored, in the order they were applied.
+_applied_engines = []
 
 
 class GrapplerEngine(Engine):
@@ -242,6 +251,7 @@ class GrapplerEngine(Engine):
             raise
         if self._saved_environment is None:
             self._saved_environment, self._saved_options = before
+            _applied_engines.append(self)
         self.dump_dir = dump_dir or self.dump_dir
         # Weakly: the model keeps its last engine (remember_engine), and a
         # strong reference back would keep both alive forever.
@@ -249,10 +259,24 @@ class GrapplerEngine(Engine):
         remember_engine(model, self)
 
     def restore(self) -> None:
-        """Put the variables and the grappler option back as they were."""
+        """Put the variables and the grappler option back as they were.
+
+        As before this engine's first `apply`; or, while an engine applied
+        after it is still on, hand that state on to it (see module doc).
+        """
         if self._saved_environment is None:
             return
-        self._put_back(self._saved_environment, self._saved_options)
+        position = _applied_engines.index(self)
+        del _applied_engines[position]
+        if position < len(_applied_engines):
+            # An engine applied after this one is still on: the state it
+            # saved holds this one's lists. It will put back this one's
+            # state instead; until then the global state stays its own.
+            later = _applied_engines[position]
+            later._saved_environment = self._saved_environment
+            later._saved_options = self._saved_options
+        else:
+            self._put_back(self._saved_environment, self._saved_options)
         self._saved_environment = self._saved_options = None
         model = self._model() if self._model is not None else None
         if model is not None:

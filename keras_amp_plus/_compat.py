@@ -471,6 +471,20 @@ def current_loss_scale(optimizer):
     return optimizer.loss_scale
 
 
+def loss_scale_variables(optimizer):
+    """Return the `(scale, growth counter)` variables of a Keras or our scaler.
+
+    Keras 3's and ours name them `dynamic_scale` and `step_counter`. Keras 2's
+    `LossScaleOptimizerV3` keeps them in its private `_loss_scale` state
+    (its public `loss_scale` is a tensor copy): the one way to put its
+    scale back (`AMPMonitor` after a denial).
+    """
+    if IS_KERAS_3 or hasattr(optimizer, "dynamic_scale"):
+        return optimizer.dynamic_scale, optimizer.step_counter
+    state = optimizer._loss_scale
+    return state.current_loss_scale, state.counter
+
+
 def fixed_loss_scale(optimizer):
     """Return the scale of a Keras loss scaler that never moves, else None.
 

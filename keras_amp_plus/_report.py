@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from keras_amp_plus.engines._base import Engine, last_engine
 from keras_amp_plus.engines._grappler import LOG_PATH_VARIABLE
+from keras_amp_plus.engines._itex import require_itex
 from keras_amp_plus.engines._keras_engine import layer_precisions
 from keras_amp_plus.engines._resolve import (
     auto_engine_name,
@@ -301,6 +302,8 @@ def precision_report(
     if engine is None:
         engine = last_engine(model)
     name = _engine_name(model, engine)
+    if name == "itex" and log_dir is None and not isinstance(engine, Engine):
+        require_itex()  # says ITEX is missing, not that no dump is known
     layers = layer_precisions(model)
     report = PrecisionReport(
         {

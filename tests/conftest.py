@@ -158,6 +158,7 @@ KERAS2_MODULES = (
     "test_engines_itex.py",
     "test_itex_amp.py",
     "test_itex_configs.py",
+    "test_itex_jit_probe.py",
     "test_itex_layers.py",
     "test_itex_loss_scale.py",
     "test_itex_probe.py",

@@ -216,6 +216,23 @@ def test_swish_matches_float64(policy):
     check_swish(outputs, grads, 4.0 * x, upstream, layer)
 
 
+def test_the_swish_function_builds_a_functional_model_that_reloads(tmp_path):
+    # On Keras 2, TF ops applied to a KerasTensor are wrapped by tf.keras,
+    # but not a custom gradient: this raised a TypeError there.
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, kap.layers.swish(inputs, beta=1.5))
+    x = np.linspace(-5.0, 5.0, 12, dtype="float32").reshape(2, 6)
+    x64 = x.astype(np.float64)
+    expected = swish_reference(x64, np.ones_like(x64), 1.5)[0]
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, rtol=1e-6)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    reloaded = keras.models.load_model(path)
+    np.testing.assert_array_equal(
+        reloaded.predict(x, verbose=0), model.predict(x, verbose=0)
+    )
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_swish_inside_xla_traced_for_any_batch_size_matches_float64(
     policy, monkeypatch

@@ -117,8 +117,12 @@ def test_bad_arguments_raise_before_anything_is_built():
         LossScaleOptimizer(LossScaleOptimizer(keras.optimizers.SGD()))
 
 
-def overflow_model(jit_compile=False):
-    """A model whose layer `hot` overflows float16 (outputs about 1e5)."""
+def overflow_model(jit_compile=False, scaler="ours"):
+    """A model whose layer `hot` overflows float16 (outputs about 1e5).
+
+    `scaler` "keras": the stack's own `LossScaleOptimizer` (Keras 2's
+    `compile` wraps any optimizer in it under `mixed_float16`).
+    """
     _compat.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
@@ -139,8 +143,30 @@ def overflow_model(jit_compile=False):
     optimizer = LossScaleOptimizer(
         keras.optimizers.Adam(0.1), on_min_scale=on_min_scale
     )
+    if scaler == "keras":
+        optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam(0.1))
     model.compile(optimizer, loss="mse", jit_compile=jit_compile)
     return model
+
+
+def test_the_scale_of_the_stacks_own_scaler_is_put_back_after_a_denial(tmp_path):
+    # Keras 2's scaler keeps its scale in a private state (its `loss_scale`
+    # is a tensor copy); putting it back raised AttributeError there.
+    model = overflow_model(scaler="keras")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 4)).astype("float32")
+    y = np.tanh(x @ np.array([[1.0], [2.0], [-1.0], [0.5]])).astype("float32")
+    monitor = kap.callbacks.AMPMonitor(str(tmp_path), read_every_steps=4)
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor]
+    )
+    assert model.get_layer("hot").compute_dtype == "float32"
+    with open(os.path.join(str(tmp_path), "amp_events.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    restored = [r for r in records if r["type"] == "scale_restored"]
+    assert [(r["epoch"], r["to"]) for r in restored] == [(0, 2.0**15)]
+    assert history.history["loss_scale"][0] == 2.0**15
+    assert np.isfinite(history.history["loss"][1])
 
 
 @pytest.mark.slow

@@ -155,6 +155,14 @@ def test_a_graph_report_without_dump_dir_explains_how_to_get_one(monkeypatch):
         precision_report(_model(), "grappler")
 
 
+def test_an_itex_report_without_itex_says_it_is_missing(monkeypatch):
+    from keras_amp_plus import _compat
+
+    monkeypatch.setattr(_compat, "itex_module", lambda: None)
+    with pytest.raises(ImportError, match="needs Intel Extension for TensorFlow"):
+        precision_report(_model(), "itex")
+
+
 def test_a_missing_dump_dir_is_an_error_not_an_empty_report(tmp_path):
     missing = str(tmp_path / "typo")
     with pytest.raises(ValueError, match=re.escape(f"Received: dump_dir={missing!r}")):

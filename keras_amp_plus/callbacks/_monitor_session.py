@@ -402,8 +402,9 @@ class MonitorSession:
         current = self.loss_scale()
         if target <= current:
             return
-        optimizer.dynamic_scale.assign(target)
-        optimizer.step_counter.assign(0)
+        scale, counter = _compat.loss_scale_variables(optimizer)
+        scale.assign(target)
+        counter.assign(0)
         step = self.tensorboard_step()
         # Both at the epoch's last step: the next step, whether it overflows
         # or not, starts from `target`.

@@ -33,7 +33,10 @@ def _model(keras, layer_norm):
     x = inputs
     for _ in range(BLOCKS):
         hidden = keras.layers.Dense(4 * WIDTH, activation="relu")(x)
-        x = layer_norm()(x + keras.layers.Dense(WIDTH)(hidden))
+        # An `Add` layer casts both to the policy's compute dtype; tf.keras 2
+        # does not promote `+` of a float32 input and a bfloat16 output.
+        residual = keras.layers.Add()([x, keras.layers.Dense(WIDTH)(hidden)])
+        x = layer_norm()(residual)
     x = keras.layers.GlobalAveragePooling1D()(x)
     outputs = keras.layers.Dense(1, dtype="float32")(x)
     return keras.Model(inputs, outputs)
@@ -65,6 +68,8 @@ def probe_jit_speedup(seconds: float = 2.0, policy: str = "mixed_bfloat16") -> d
         models = {
             jit: _model(keras, layers.LayerNormalization) for jit in (False, True)
         }
+    except Exception as error:  # report, do not crash the doctor
+        return {"policy": policy, "error": f"{type(error).__name__}: {error}"[:200]}
     finally:
         _compat.set_global_policy(previous)
     rng = np.random.default_rng(0)

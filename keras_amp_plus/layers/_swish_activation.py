@@ -403,11 +403,14 @@ def swish(x, beta=1.0):
     - [Ramachandran et al., 2017](https://arxiv.org/abs/1710.05941).
     """
     beta = _validation.check_swish_beta(beta, allow_tensors=True)
-    if _compat.IS_KERAS_3 and keras.backend.is_keras_tensor(x):
+    if keras.backend.is_keras_tensor(x):
         # Functional model building: record an operation, as Keras's own
         # activations do, which runs this function on real tensors later.
-        # (tf.keras 2 wraps TF ops applied to its KerasTensors by itself.)
-        return _SwishOperation(beta)(x)
+        if _compat.IS_KERAS_3:
+            return _SwishOperation(beta)(x)
+        # tf.keras 2 wraps TF ops applied to its KerasTensors in layers of
+        # their own, but not a custom gradient: the layer, in x's dtype.
+        return Swish(beta=beta, dtype=x.dtype.name)(x)
     x = tf.convert_to_tensor(x)
     # The result has x's dtype: integers would come back truncated.
     _validation.check_float_input(x, "swish", argument="x")

@@ -475,14 +475,14 @@ def loss_scale_variables(optimizer):
     """Return the `(scale, growth counter)` variables of a Keras or our scaler.
 
     Keras 3's and ours name them `dynamic_scale` and `step_counter`. Keras 2's
-    `LossScaleOptimizerV3` keeps them in its private `_loss_scale` state
-    (its public `loss_scale` is a tensor copy): the one way to put its
-    scale back (`AMPMonitor` after a denial).
+    `LossScaleOptimizerV3` exposes the counter as `dynamic_counter` but the
+    scale only as a tensor copy (`loss_scale`): its variable is reached in
+    the private `_loss_scale` state, the one way to put the scale back
+    (`AMPMonitor` after a denial).
     """
     if IS_KERAS_3 or hasattr(optimizer, "dynamic_scale"):
         return optimizer.dynamic_scale, optimizer.step_counter
-    state = optimizer._loss_scale
-    return state.current_loss_scale, state.counter
+    return optimizer._loss_scale.current_loss_scale, optimizer.dynamic_counter
 
 
 def fixed_loss_scale(optimizer):
@@ -501,6 +501,18 @@ def is_compiled(model) -> bool:
     if IS_KERAS_3:
         return bool(getattr(model, "compiled", False))
     return bool(getattr(model, "_is_compiled", False))
+
+
+def is_keras_tensor(x) -> bool:
+    """Return True for a symbolic `KerasTensor` (functional model building).
+
+    Keras 2's `is_keras_tensor` raises for values that are no tensor at all
+    (NumPy arrays, lists); those are not symbolic.
+    """
+    try:
+        return keras.backend.is_keras_tensor(x)
+    except ValueError:
+        return False
 
 
 def metric_direction(metric) -> str | None:

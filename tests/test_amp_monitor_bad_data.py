@@ -77,16 +77,15 @@ def test_a_bad_record_before_an_overflow_is_not_blamed_on_the_layer(
 def test_an_overflow_before_a_bad_record_is_not_called_bad_data(tmp_path, jit_compile):
     # The batch kept is the bad record's: the earlier overflow's is gone, so
     # it is said to be unreplayed rather than given the bad batch's verdict.
+    overflow_step, bad_step = 1, 4
     events, monitor = _overflow_events(
-        tmp_path, OVERFLOW_STEP, BAD_RECORD_STEP, "ours", jit_compile
+        tmp_path, bad_step, overflow_step, "ours", jit_compile
     )
-    assert sorted(events) == [BAD_RECORD_STEP, OVERFLOW_STEP]
-    assert events[OVERFLOW_STEP]["evidence"] == (
-        f"batch of step {OVERFLOW_STEP}: bad_data"
-    )
-    unreplayed = events[BAD_RECORD_STEP]
+    assert sorted(events) == [overflow_step, bad_step]
+    assert events[bad_step]["evidence"] == f"batch of step {bad_step}: bad_data"
+    unreplayed = events[overflow_step]
     assert unreplayed["layers"] == [] and unreplayed["direction"] == "forward"
     assert unreplayed["evidence"].startswith(
-        f"not replayed: the batch kept is step {OVERFLOW_STEP}'s"
+        f"not replayed: the batch kept is step {bad_step}'s"
     )
     assert monitor.lists.deny_layers == ()

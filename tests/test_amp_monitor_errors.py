@@ -52,6 +52,11 @@ def test_a_log_dir_holding_what_the_monitor_cannot_use_fails_first(
         fit_one_epoch(model, monitor)
     assert "Received: " in str(info.value)
     assert int(model.optimizer.iterations.numpy()) == 0
+    # Keras calls no `on_train_end`: the model has its own step back.
+    assert not set(model.__dict__) & {"train_step", "compute_loss"}
+    x, y = regression_data()
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert "overflow_events" not in history.history
 
 
 def test_model_without_optimizer(tmp_path):

@@ -178,23 +178,29 @@ def test_one_monitor_for_two_models_reports_each_models_events(tmp_path):
     assert runs == [(1, 1), (1, 5), (2, 1), (2, 5)]
 
 
+def _breaking_data(epoch, step):
+    """The training data as a pipeline whose batch `step` of `epoch` raises."""
+    x, y = regression_data()
+
+    def batches():
+        for current in range(epoch + 1):
+            for index in range(STEPS_PER_EPOCH):
+                if (current, index) == (epoch, step):
+                    raise RuntimeError("a broken record")
+                rows = slice(index * BATCH, (index + 1) * BATCH)
+                yield x[rows], y[rows]
+
+    signature = (tf.TensorSpec((BATCH, 4)), tf.TensorSpec((BATCH, 1)))
+    return tf.data.Dataset.from_generator(batches, output_signature=signature)
+
+
 def test_a_fit_stopped_by_an_error_in_a_step_writes_its_unread_events(tmp_path):
     # `hot` overflows on every step; the data breaks at step 4 of epoch 1,
     # before the monitor's read (every 64 steps, at the epoch end): the
     # events of steps 9-11 were only in the scaler's records.
     log_dir = str(tmp_path)
     model = overflow_model("mixed_float16", on_min_scale="ignore")
-    x, y = regression_data()
-
-    def batches():
-        for epoch in range(2):
-            for step in range(STEPS_PER_EPOCH):
-                if epoch == 1 and step == 3:
-                    raise RuntimeError("a broken record")
-                yield x[step * BATCH : (step + 1) * BATCH], y[:BATCH]
-
-    signature = (tf.TensorSpec((BATCH, 4)), tf.TensorSpec((BATCH, 1)))
-    data = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    data = _breaking_data(epoch=1, step=3)
     monitor = AMPMonitor(log_dir, adapt=False)
     with pytest.raises(Exception, match="a broken record"):
         model.fit(
@@ -211,7 +217,38 @@ def test_a_fit_stopped_by_an_error_in_a_step_writes_its_unread_events(tmp_path):
     assert [r["epoch"] for r in events[STEPS_PER_EPOCH:]] == [1, 1, 1]
     skipped = scalar_series(read_tensorboard(log_dir), "amp/skipped_steps")
     assert max(skipped.values()) == ran
-    # The monitor's next `fit` continues after the steps and epoch that ran.
+    # The monitor's next `fit` continues from the last completed epoch, as a
+    # resumed one does: it replaces the interrupted epoch's lines.
     train(model, [monitor], epochs=1)
-    later = [r for r in read_jsonl(log_dir) if r["type"] == "overflow"][ran:]
-    assert later and all(r["step"] > ran and r["epoch"] == 2 for r in later)
+    events = [r for r in read_jsonl(log_dir) if r["type"] == "overflow"]
+    later = events[STEPS_PER_EPOCH:]
+    assert [r["step"] for r in events[:STEPS_PER_EPOCH]] == list(
+        range(1, STEPS_PER_EPOCH + 1)
+    )
+    assert later and [r["step"] for r in later] == list(
+        range(STEPS_PER_EPOCH + 1, STEPS_PER_EPOCH + 1 + len(later))
+    )
+    assert all(r["epoch"] == 1 for r in later)
+
+
+def test_the_same_monitor_resumes_exactly_after_an_error_in_a_step(tmp_path):
+    # A broken record stops `fit` inside a step of epoch 1; fixed, the same
+    # cell runs again: BackupAndRestore restarts at epoch 1 with the same
+    # monitor object, whose record must be the last saved epoch's.
+    log_dir, backup = str(tmp_path / "logs"), str(tmp_path / "backup")
+    model = overflow_model("mixed_float16", on_min_scale="ignore")
+    monitor = AMPMonitor(log_dir, adapt=False, read_every_steps=2)
+    callbacks = [monitor, keras.callbacks.BackupAndRestore(backup)]
+    with pytest.raises(Exception, match="a broken record"):
+        model.fit(
+            _breaking_data(epoch=1, step=5),
+            epochs=3,
+            steps_per_epoch=STEPS_PER_EPOCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+    train(model, callbacks, epochs=3)
+    reference_dir = str(tmp_path / "reference")
+    run(reference_dir, str(tmp_path / "b2"), adapt=False, epochs=3)
+    assert read_jsonl(log_dir) == read_jsonl(reference_dir)

@@ -29,6 +29,9 @@ from keras_amp_plus.callbacks import (
 from keras_amp_plus.callbacks import (
     _state as state,
 )
+from keras_amp_plus.callbacks import (
+    _step_recorder as step_recorder,
+)
 from keras_amp_plus.callbacks._adaptation import AdaptationRule, Decision
 from keras_amp_plus.callbacks._list_editor import ListEditor
 from keras_amp_plus.engines import GrapplerEngine, ItexEngine, KerasEngine
@@ -173,6 +176,36 @@ def test_list_editor_op_level_maps_layers_to_op_types():
     assert restored == [] and partly == both
     final, _ = editor.apply(partly, Decision(path["middle"], "allow", "r", {}))
     assert final == lists
+
+
+def test_a_state_of_before_run_epochs_numbers_epochs_per_fit():
+    # Files written before `run_epoch_offset` numbered records per `fit`.
+    old = state.MonitorState.from_dict({"epoch": 2, "epoch_offset": 5})
+    assert old.run_epoch_offset == 5
+    new = state.MonitorState.from_dict(state.MonitorState(epoch_offset=5).to_dict())
+    assert new.run_epoch_offset == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "direction"),
+    [
+        ("loss", "down"),
+        ("out_loss", "down"),
+        ("accuracy", "up"),
+        ("out_accuracy", "up"),
+        ("out_mae_1", "down"),
+        ("sparse_categorical_accuracy", "up"),
+        ("mean", None),
+    ],
+)
+def test_a_result_name_finds_its_metric_direction(name, direction):
+    directions = {
+        "accuracy": "up",
+        "sparse_categorical_accuracy": "up",
+        "mae": "down",
+        "categorical_accuracy": "up",
+    }
+    assert step_recorder._direction_of(name, directions) == direction
 
 
 def test_state_snapshots_keep_recent_epochs(tmp_path):

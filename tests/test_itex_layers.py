@@ -231,6 +231,10 @@ def test_the_swish_function_builds_a_functional_model_that_reloads(tmp_path):
     np.testing.assert_array_equal(
         reloaded.predict(x, verbose=0), model.predict(x, verbose=0)
     )
+    # Not symbolic: NumPy arrays and lists are computed at once (Keras 2's
+    # `is_keras_tensor` raises for them).
+    np.testing.assert_allclose(kap.layers.swish(x, beta=1.5), expected, rtol=1e-6)
+    assert np.isclose(float(kap.layers.swish([1.0])[0]), 1.0 / (1.0 + np.exp(-1.0)))
 
 
 @pytest.mark.parametrize("policy", POLICIES)

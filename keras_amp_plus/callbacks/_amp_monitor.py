@@ -132,8 +132,9 @@ class AMPMonitor(keras.callbacks.Callback):
             `ReduceLROnPlateau` see the loss of the applied steps. When every
             step of the epoch was skipped, every callback, wherever it is
             listed, reads each metric's worst value (`inf` for the loss,
-            `-inf` for accuracy, NaN where Keras knows no direction), never
-            a best (Keras would report 0). Defaults to `True`.
+            `-inf` for accuracy, NaN where Keras knows no direction), which
+            any later measured epoch beats (Keras would report 0, a best
+            loss). Defaults to `True`.
 
     Example:
     >>> import keras, numpy as np

@@ -202,7 +202,9 @@ class EventCollector:
             or self._trusted_backward(record)
         ):
             culprit, evidence = self._forward_culprit(record.step)
-        if culprit is not None and (loss_nonfinite or culprit["layer"]):
+        # A step whose own batch held Inf/NaN is bad data whatever its loss.
+        bad_data = culprit is not None and culprit["reason"] == attribution.BAD_DATA
+        if culprit is not None and (loss_nonfinite or culprit["layer"] or bad_data):
             event["direction"] = "forward"
             event["layers"] = [culprit["layer"]] if culprit["layer"] else []
             event["evidence"] = evidence

@@ -6,6 +6,7 @@ reads the monitor's settings; what the monitor knows across `fit` calls (its
 state, lists and rule) it changes only through the `MonitorMemory` it is given.
 """
 
+import copy
 import json
 import logging
 
@@ -210,6 +211,7 @@ class MonitorSession:
         self.snapshots = {e: s.to_dict() for e, s in snapshots.items()}
         memory.resume(state)
         self.editor.set_state(state.adaptation.get("editor", {}))
+        self._epoch_end_state = copy.deepcopy(state)
         self.recorder.restore_counters(state.total_steps, state.recorder_events)
         # Our scaler's counts are its own: a reloaded earlier checkpoint, an
         # optimizer reused or another model's may be behind or ahead of the
@@ -272,9 +274,18 @@ class MonitorSession:
 
     # -- per step / per epoch ----------------------------------------------------
     def begin_epoch(self, epoch: int) -> None:
-        """Start or resume the record (first epoch); reset the epoch's counters."""
+        """Start or resume the record (first epoch); reset the epoch's counters.
+
+        A start that fails (a damaged state file, lists the engine refuses)
+        gives the model its own step back before the error propagates:
+        Keras calls no `on_train_end` then.
+        """
         if not self.started:
-            self.start(epoch)
+            try:
+                self.start(epoch)
+            except BaseException:
+                self.abort()
+                raise
         self.recorder.begin_epoch()
         self.epoch = epoch
         self.epoch_events = []
@@ -290,15 +301,20 @@ class MonitorSession:
             self.epoch_events.extend(self.drain())
             self.read_at = batch
 
-    def drain(self, force_scalars: bool = False) -> list:
+    def drain(self, force_scalars: bool = False, agree: bool = True) -> list:
         """Read, attribute and write the events since the last read.
 
         The step scalars are written when they changed (or when forced, at the
         end of an epoch): most reads find nothing new and cost one host read.
+        `agree=False` keeps this worker's own verdicts (no collective: a
+        stopped `fit`'s other workers may not come).
         """
         events = self.collector.collect(self.record_epoch(self.epoch))
-        # Each worker replayed its own batch: every worker takes the union.
-        distribution.agree_on_layers(self.strategy, events, list(self.index.by_path))
+        if agree:
+            # Each worker replayed its own batch: every worker takes the union.
+            distribution.agree_on_layers(
+                self.strategy, events, list(self.index.by_path)
+            )
         state = self.memory.state
         rule = self.memory.rule
         for event in events:
@@ -563,7 +579,18 @@ class MonitorSession:
         return changes
 
     def end_epoch(self, epoch: int, logs: dict | None) -> None:
-        """Report the epoch, adapt the lists, fill `logs`, save the state."""
+        """Report the epoch, adapt the lists, fill `logs`, save the state.
+
+        On an error (an engine refusing the adapted lists), the model gets
+        its own step back (`abort`) before the error propagates.
+        """
+        try:
+            self._end_epoch(epoch, logs)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _end_epoch(self, epoch: int, logs: dict | None) -> None:
         self.epoch_events.extend(self.drain(force_scalars=True))
         events = self.epoch_events
         steps = self.recorder.steps_in_epoch()
@@ -596,6 +623,7 @@ class MonitorSession:
     def _snapshot(self, epoch: int) -> None:
         """Save everything a resumed `fit` needs."""
         state = self.memory.snapshot(epoch, self.editor.get_state(), **self._counters())
+        self._epoch_end_state = copy.deepcopy(state)
         state_module.save_snapshot(self.write_dir, state, self.snapshots)
         self.log.flush()
 
@@ -620,22 +648,21 @@ class MonitorSession:
     def _report_unread(self) -> None:
         """Write the events of the steps since the last read (see `abort`).
 
-        Those steps ran (an overflow step was skipped, the others applied):
-        the record moves past them and their epoch, so this monitor's next
-        `fit` numbers its steps and epochs after them. A resumed `fit` still
-        starts from the last saved epoch and cuts these lines, as it does
-        any interrupted epoch's.
+        Then the record goes back to the end of the last completed epoch, as
+        a resumed `fit` (`BackupAndRestore`) finds it in the state file: the
+        monitor's next `fit`, resumed or not, continues from there and cuts
+        these lines, as it does any interrupted epoch's.
         """
         if not self.started:
             return
         try:
-            self.drain(force_scalars=True)
+            self.drain(force_scalars=True, agree=False)
         except Exception:  # the step's own error is the one to raise
             logger.exception(
                 "AMPMonitor could not read the events of the interrupted epoch."
             )
-            return
-        self.memory.advance(epoch=self.epoch, **self._counters())
+        self.log.flush()
+        self.memory.resume(copy.deepcopy(self._epoch_end_state))
 
     def close(self) -> StepCache:
         """Flush, close and uninstall (end of `fit`); return the step to reuse."""

@@ -87,7 +87,10 @@ class MonitorState:
     def from_dict(cls, data: dict) -> "MonitorState":
         """Rebuild a state from `to_dict()` output, ignoring unknown keys."""
         names = {field.name for field in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        known = {k: v for k, v in data.items() if k in names}
+        # Files of before `run_epoch_offset` numbered epochs per `fit`.
+        known.setdefault("run_epoch_offset", known.get("epoch_offset", 0))
+        return cls(**known)
 
 
 class MonitorMemory:
@@ -149,16 +152,6 @@ class MonitorMemory:
         self.lists = PrecisionLists.from_config(state.lists)
         self.rule.set_state(state.adaptation.get("rule", {}))
 
-    def advance(self, **counters) -> None:
-        """Set `MonitorState` fields mid-epoch (a `fit` stopped by an error).
-
-        Nothing is saved: a `fit` resumed from the state file starts after
-        the last saved epoch, while this monitor's next `fit` continues from
-        the fields set here (the steps and the epoch that ran).
-        """
-        for name, value in counters.items():
-            setattr(self.state, name, value)
-
     def snapshot(self, epoch: int, editor_state: dict, **counters) -> MonitorState:
         """Fold the end of `epoch` into the state and return it.
 
@@ -206,6 +199,7 @@ def load_snapshots(log_dir: str | None) -> dict[int, MonitorState]:
 
 
 def _unreadable(log_dir: str, error: Exception, text: str) -> ValueError:
+    """Return the error for a state file that is no state AMPMonitor wrote."""
     return ValueError(
         f"{state_path(log_dir)} is not a state file AMPMonitor can read "
         f"({type(error).__name__}: {error}); it holds the snapshots a resumed "
@@ -218,7 +212,10 @@ def _unreadable(log_dir: str, error: Exception, text: str) -> ValueError:
 def save_snapshot(
     log_dir: str | None, state: MonitorState, snapshots: dict | None = None
 ) -> None:
-    """Add `state` to the state file atomically, keeping the last few epochs.
+    """Add `state` to the state file, keeping the last few epochs.
+
+    Written to a temporary file, then renamed over the old one (atomic on
+    local disks; on object stores such as `gs://` a copy, then a delete).
 
     Args:
         log_dir: the monitor's log directory (None: nothing is written).

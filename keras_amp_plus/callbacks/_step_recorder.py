@@ -36,6 +36,7 @@ called is recorded (`call_order`): it is the forward order the attribution of
 backward overflows uses.
 """
 
+import re
 import threading
 
 import keras
@@ -105,9 +106,19 @@ def _metric_directions(model) -> dict:
 
 
 def _direction_of(name, directions):
+    """Return the direction of the result `name` (`_metric_directions`), or None.
+
+    A multi-output model's results carry the output's name before the
+    metric's (`"out_accuracy"`) and a number after duplicates (`"mae_1"`).
+    """
     if name == "loss" or name.endswith("_loss"):
         return "down"
-    return directions.get(name)
+    bare = re.sub(r"_\d+$", "", name)
+    for candidate in (name, bare):
+        if candidate in directions:
+            return directions[candidate]
+    suffixes = [m for m in directions if bare.endswith("_" + m)]
+    return directions[max(suffixes, key=len)] if suffixes else None
 
 
 def _variable(name, shape, dtype):
@@ -288,10 +299,12 @@ class StepRecorder:
         state as 0, a loss that `ModelCheckpoint(save_best_only=True)` takes
         for the best. Instead the loss (and metrics that improve downwards)
         reads `inf`, those that improve upwards (accuracy) `-inf`, others
-        NaN: no measured value is worse, so no callback takes the epoch for
-        its best. `fit` reads the epoch's logs through this method before
-        any callback sees them, so every callback, before the monitor or
-        after it, sees these. Inside the step's function it is Keras's own.
+        NaN: no measured value is worse, so any later measured epoch beats
+        it (Keras 3's callbacks take a first epoch for the best whatever its
+        value, and no value ever beats a NaN). `fit` reads the epoch's logs
+        through this method before any callback sees them, so every
+        callback, before the monitor or after it, sees these. Inside the
+        step's function it is Keras's own.
         """
 
         def get_metrics_result():

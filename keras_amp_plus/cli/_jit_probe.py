@@ -21,7 +21,9 @@ import numpy as np
 # 32 positions measured 1.14-1.18x with jit_compile, recommending it, where a
 # transformer and a CNN trained 0.95-1.02x as fast with it
 # (`benchmarks/training.py`); 256 x 64 measured 1.00-1.02x, and 2.7-2.9x in
-# mixed_bfloat16 (the transformer: 2.3-2.4x).
+# mixed_bfloat16 (the transformer: 2.3-2.4x). Those were measured with the
+# residual summed by `+` (Keras 3 promotes the first block's sum to float32;
+# the `Add` layer now sums in the compute dtype).
 WIDTH, LENGTH, BATCH, BLOCKS = 256, 64, 16, 2
 MIN_ROUNDS = 3
 

@@ -124,7 +124,7 @@ class GrapplerEngine(Engine):
             keeps the dumps of the last `KEPT_DUMPS` applies only and is
             deleted when the engine is garbage-collected (it lives as long
             as a model it applied to, so `precision_report(model)` can read
-            the dumps) or when Python exits.
+            the dumps, and until its `restore`) or when Python exits.
             Dumps in a directory you chose are yours to delete.
         dump_graphs: whether to dump the rewritten graphs (needed by
             `precision_report`). Defaults to True.

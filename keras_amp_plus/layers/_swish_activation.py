@@ -403,7 +403,7 @@ def swish(x, beta=1.0):
     - [Ramachandran et al., 2017](https://arxiv.org/abs/1710.05941).
     """
     beta = _validation.check_swish_beta(beta, allow_tensors=True)
-    if keras.backend.is_keras_tensor(x):
+    if _compat.is_keras_tensor(x):
         # Functional model building: record an operation, as Keras's own
         # activations do, which runs this function on real tensors later.
         if _compat.IS_KERAS_3:

@@ -182,6 +182,29 @@ def test_two_engines_restored_in_any_order_leave_the_process_as_before(tmp_path,
     assert tf.config.optimizer.get_experimental_options() == options
 
 
+def test_an_engine_applying_again_below_another_stays_in_force_until_restored(
+    tmp_path,
+):
+    # AMPMonitor re-applies at an epoch end while another model's engine,
+    # applied after it, is still on: its new lists must not be lost when the
+    # other engine is restored, and each engine's lists start from the
+    # user's own variables, not from the other engine's.
+    environment = {name: os.environ.get(name) for name in TOUCHED_VARIABLES}
+    first = GrapplerEngine(log_dir=str(tmp_path / "first"))
+    second = GrapplerEngine(log_dir=str(tmp_path / "second"))
+    model = _model()
+    first.apply(model, PrecisionLists(deny_ops=("Exp",)))
+    second.apply(_model(), PrecisionLists(allow_ops=("Tanh",)))
+    assert os.environ.get(DENY_ADD) is None  # second's lists alone
+    first.apply(model, PrecisionLists(deny_ops=("Exp", "Log")))
+    assert os.environ.get(DENY_ADD) == "Exp,Log"
+    assert os.environ.get(ALLOW_ADD) is None
+    second.restore()
+    assert os.environ.get(DENY_ADD) == "Exp,Log"
+    first.restore()
+    assert {name: os.environ.get(name) for name in TOUCHED_VARIABLES} == environment
+
+
 def test_xla_compiled_models_get_a_warning(tmp_path):
     engine = GrapplerEngine(log_dir=str(tmp_path))
     with pytest.warns(UserWarning, match=r"jit_compile=True.*no effect"):

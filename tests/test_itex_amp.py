@@ -228,6 +228,29 @@ def test_default_data_type_and_the_fields_set():
     assert amp_options().auto_mixed_precision != itex.ON
 
 
+@pytest.mark.parametrize("order", ["first_applied_first", "last_applied_first"])
+def test_two_engines_restored_in_any_order_leave_the_config_as_before(order):
+    # Two models, each with its own engine: ITEX's config is process-global.
+    original = amp_options().SerializeToString(deterministic=True)
+    first, second = ItexEngine(), ItexEngine()
+    first.apply(transformer(), PrecisionLists(deny_ops=("Tanh",)))
+    second.apply(transformer(), PrecisionLists(allow_ops=("Tanh",)))
+    amp = amp_options().auto_mixed_precision_options
+    assert "Tanh" in amp.allowlist_add.split(",")
+    assert "Tanh" not in amp.denylist_add.split(",")  # not first's lists too
+    if order == "first_applied_first":
+        first.restore()
+        amp = amp_options().auto_mixed_precision_options
+        assert "Tanh" in amp.allowlist_add.split(",")  # second's, still on
+        second.restore()
+    else:
+        second.restore()
+        amp = amp_options().auto_mixed_precision_options
+        assert "Tanh" in amp.denylist_add.split(",")  # first's again
+        first.restore()
+    assert amp_options().SerializeToString(deterministic=True) == original
+
+
 def test_engine_refuses_before_the_first_step_when_bfloat16_kernels_abort(
     tmp_path, monkeypatch
 ):

@@ -109,6 +109,92 @@ class RebuildRecord:
         self._settings = settings
 
 
+class GlobalStateStack:
+    """Engines applied to one process-global state, each with the state it found.
+
+    A graph engine's lists live in process-global state (environment
+    variables, grappler's options, ITEX's config), so two engines at once
+    (two models, each with its own) must not undo each other. Each engine
+    applied and not yet restored is on this stack, in the order of its last
+    `apply`, with the state it replaced. Restoring the top engine puts its
+    state back; restoring one below hands its state to the engine above it,
+    whose lists stay in force. An engine applying again while others are above
+    it moves to the top. So once every engine is restored, in any order, the
+    process is as before the first, and the lists in force are always those of
+    the engine that applied last.
+
+    Example:
+    >>> stack = GlobalStateStack()
+    >>> stack.push("first", "user's state")
+    >>> stack.push("second", "first's lists")
+    >>> stack.original("now")
+    "user's state"
+    >>> stack.release("first", print)  # "second" now holds the user's state
+    >>> stack.release("second", print)
+    user's state
+    """
+
+    def __init__(self):
+        self._entries = []  # [engine, the state it replaced], oldest first
+
+    def _position(self, engine) -> int | None:
+        for position, (applied, _) in enumerate(self._entries):
+            if applied is engine:
+                return position
+        return None
+
+    def holds(self, engine) -> bool:
+        """Whether `engine` is applied and not yet restored."""
+        return self._position(engine) is not None
+
+    def original(self, current):
+        """Return the state before any engine still applied, else `current`.
+
+        Args:
+            current: the global state now, returned when no engine is applied.
+        """
+        return self._entries[0][1] if self._entries else current
+
+    def push(self, engine, replaced) -> None:
+        """Record that `engine` has just applied its lists over `replaced`.
+
+        Already on the stack, an engine on top keeps the state it first
+        replaced; one lower down hands that state on and moves to the top.
+
+        Args:
+            engine: the engine that applied.
+            replaced: the global state just before this `apply`.
+        """
+        position = self._position(engine)
+        if position == len(self._entries) - 1:
+            return
+        if position is not None:
+            self._hand_on(position)
+        self._entries.append([engine, replaced])
+
+    def release(self, engine, put_back) -> None:
+        """Take `engine` off the stack; `put_back(state)` if it was on top.
+
+        Args:
+            engine: the engine being restored (nothing happens if it is not
+                on the stack).
+            put_back: a function restoring a state `push` received.
+        """
+        position = self._position(engine)
+        if position is None:
+            return
+        if position == len(self._entries) - 1:
+            put_back(self._entries.pop()[1])
+        else:
+            self._hand_on(position)
+
+    def _hand_on(self, position) -> None:
+        # The engine above saved the state this one's lists made; it must
+        # put back what this one found instead.
+        _, replaced = self._entries.pop(position)
+        self._entries[position][1] = replaced
+
+
 def warn_if_xla(model: keras.Model, engine_name: str) -> None:
     """Warn that XLA-compiled functions bypass graph rewrites."""
     if getattr(model, "jit_compile", False):

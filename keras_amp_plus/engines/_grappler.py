@@ -16,11 +16,11 @@ applies only and is deleted with the engine.
 
 The option and the variables are process-global: `restore()` puts back exactly
 what was there before the first `apply` (unset variables are unset again).
-Engines applied at the same time (two models, each with its own) stack: the
-state each one restores is the one before it, and an engine restored before
-one applied after it hands that state on to the later one, so once every
-engine is restored, in any order, the process is as before the first (until
-then the rewrite, a process-global switch, stays on for every model).
+Engines applied at the same time (two models, each with its own) stack
+(`GlobalStateStack`): the lists in force are those of the engine that applied
+last, each merged with the user's own variables, and once every engine is
+restored, in any order, the process is as before the first (until then the
+rewrite, a process-global switch, stays on for every model).
 """
 
 import os
@@ -41,6 +41,7 @@ from keras_amp_plus._lists.list_fields import (
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.engines._base import (
     Engine,
+    GlobalStateStack,
     RebuildRecord,
     rebuild_functions,
     remember_engine,
@@ -107,8 +108,8 @@ def put_back_global_state(environment: dict, options: dict) -> None:
         _compat.reset_grappler_option(GRAPPLER_OPTION)
 
 
-# The engines applied and not yet restored, in the order they were applied.
-_applied_engines = []
+# The grappler engines applied and not yet restored, with the state each replaced.
+_applied_engines = GlobalStateStack()
 
 
 class GrapplerEngine(Engine):
@@ -149,18 +150,9 @@ class GrapplerEngine(Engine):
         self.log_dir = log_dir
         self.dump_graphs = dump_graphs
         self.dump_dir = None
-        self._saved_environment = None
-        self._saved_options = None
         self._model = None
         self._owns_log_dir = False
         self._built = RebuildRecord()
-
-    def _current_state(self) -> tuple:
-        return capture_global_state()
-
-    @staticmethod
-    def _put_back(environment, options) -> None:
-        put_back_global_state(environment, options)
 
     def _resolve_log_dir(self, environment) -> str:
         if self.log_dir is None:
@@ -222,8 +214,8 @@ class GrapplerEngine(Engine):
         check_onednn_enabled()
         placements = op_placements(model, lists)  # raises before any change
         warn_if_xla(model, self.name)
-        before = self._current_state()
-        saved = self._saved_environment or before[0]
+        before = capture_global_state()
+        saved = _applied_engines.original(before)[0]  # the user's variables
         base = {f: saved[list_variable(f)] for f in FIELD_NAMES}
         variables = {
             list_variable(field): value if value or base[field] is not None else None
@@ -247,11 +239,9 @@ class GrapplerEngine(Engine):
             if not current:
                 self._built.rebuild(model, variables)
         except BaseException:
-            self._put_back(*before)
+            put_back_global_state(*before)
             raise
-        if self._saved_environment is None:
-            self._saved_environment, self._saved_options = before
-            _applied_engines.append(self)
+        _applied_engines.push(self, before)
         self.dump_dir = dump_dir or self.dump_dir
         # Weakly: the model keeps its last engine (remember_engine), and a
         # strong reference back would keep both alive forever.
@@ -264,20 +254,9 @@ class GrapplerEngine(Engine):
         As before this engine's first `apply`; or, while an engine applied
         after it is still on, hand that state on to it (see module doc).
         """
-        if self._saved_environment is None:
+        if not _applied_engines.holds(self):
             return
-        position = _applied_engines.index(self)
-        del _applied_engines[position]
-        if position < len(_applied_engines):
-            # An engine applied after this one is still on: the state it
-            # saved holds this one's lists. It will put back this one's
-            # state instead; until then the global state stays its own.
-            later = _applied_engines[position]
-            later._saved_environment = self._saved_environment
-            later._saved_options = self._saved_options
-        else:
-            self._put_back(self._saved_environment, self._saved_options)
-        self._saved_environment = self._saved_options = None
+        _applied_engines.release(self, lambda state: put_back_global_state(*state))
         model = self._model() if self._model is not None else None
         if model is not None:
             # The cached functions were optimized under the engine's lists.

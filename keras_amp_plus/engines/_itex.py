@@ -38,6 +38,7 @@ from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.engines import _itex_log as itex_log
 from keras_amp_plus.engines._base import (
     Engine,
+    GlobalStateStack,
     RebuildRecord,
     rebuild_functions,
     remember_engine,
@@ -71,6 +72,10 @@ ITEX_FUSED_VARIANTS = {
         "_ITEXPadWithDepthwiseConv2dNative",
     ),
 }
+
+# The ITEX engines applied and not yet restored, with the config each replaced
+# (ITEX's config is process-global; see `GlobalStateStack`).
+_applied_engines = GlobalStateStack()
 
 INSTALL_HINT = (
     'pip install "intel-extension-for-tensorflow[cpu]==2.15.0.0" '
@@ -206,7 +211,6 @@ class ItexEngine(Engine):
                 f"default for the device). Received: data_type={data_type!r}"
             )
         self.data_type = data_type or default_data_type()
-        self._saved_config = None
         self._model = None
         self._rewrites_at_apply = None
         self._built = RebuildRecord()
@@ -242,7 +246,7 @@ class ItexEngine(Engine):
         config = itex.get_config()
         before = type(config)()
         before.CopyFrom(config)
-        saved = before if self._saved_config is None else self._saved_config
+        saved = _applied_engines.original(before)  # the user's own config
         saved_amp = saved.graph_options.auto_mixed_precision_options
         saved_fields = {field: getattr(saved_amp, field) for field in FIELD_NAMES}
         fields = itex_list_fields(saved_fields, placements)  # raises on conflicts
@@ -260,7 +264,7 @@ class ItexEngine(Engine):
         except BaseException:
             itex.set_config(before)  # a failed apply changes nothing global
             raise
-        self._saved_config = saved
+        _applied_engines.push(self, before)
         # Weakly: the model keeps its last engine (remember_engine).
         self._model = weakref.ref(model)
         remember_engine(model, self)
@@ -307,11 +311,14 @@ class ItexEngine(Engine):
         return records
 
     def restore(self) -> None:
-        """Put ITEX's config back as it was before the first `apply`."""
-        if self._saved_config is None:
+        """Put ITEX's config back as it was before the first `apply`.
+
+        Or, while an ITEX engine applied after this one is still on, hand that
+        config on to it: its lists stay in force (see `GlobalStateStack`).
+        """
+        if not _applied_engines.holds(self):
             return
-        require_itex().set_config(self._saved_config)
-        self._saved_config = None
+        _applied_engines.release(self, require_itex().set_config)
         self._rewrites_at_apply = None
         model = self._model() if self._model is not None else None
         if model is not None:

@@ -222,6 +222,36 @@ def test_state_snapshots_keep_recent_epochs(tmp_path):
         state.load_snapshots(str(tmp_path))
 
 
+class _CountingFile:
+    """A file that counts its flushes (each one uploads the file on gs://)."""
+
+    def __init__(self, file):
+        self.file, self.flushes = file, 0
+
+    def write(self, text):
+        self.file.write(text)
+
+    def flush(self):
+        self.flushes += 1
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
+def test_events_read_together_are_written_with_one_flush(tmp_path):
+    log = event_log.EventLog(str(tmp_path))
+    log.open(keep_lines=None)
+    log._file = counting = _CountingFile(log._file)
+    log.write_records([{"i": i} for i in range(50)])
+    log.write_records([])
+    assert counting.flushes == 1 and log.lines_written == 50
+    # Flushed: readable before the log is closed, as after a crash.
+    lines = (tmp_path / event_log.EVENTS_FILE).read_text().splitlines()
+    assert [json.loads(line)["i"] for line in lines] == list(range(50))
+    log.close()
+
+
 def test_event_log_keeps_lines_on_resume_and_writes_tensorboard(tmp_path):
     log = event_log.EventLog(str(tmp_path))
     log.open(keep_lines=None)

@@ -237,6 +237,21 @@ def test_the_swish_function_builds_a_functional_model_that_reloads(tmp_path):
     assert np.isclose(float(kap.layers.swish([1.0])[0]), 1.0 / (1.0 + np.exp(-1.0)))
 
 
+def test_the_swish_function_takes_a_tensor_beta_on_tensors_only():
+    x = np.linspace(-5.0, 5.0, 12)
+    upstream = np.linspace(0.5, 1.5, 12)
+    beta = tf.Variable(1.5)
+    with tf.GradientTape() as tape:
+        outputs = kap.layers.swish(tf.constant(x, "float32"), beta=beta)
+        loss = tf.reduce_sum(outputs * upstream)
+    expected, _, beta_grad = swish_reference(x, upstream, 1.5)
+    np.testing.assert_allclose(outputs, expected, rtol=1e-6)
+    np.testing.assert_allclose(tape.gradient(loss, beta), beta_grad, rtol=1e-5)
+    # A symbolic input builds a `Swish` layer, whose beta is a number.
+    with pytest.raises(ValueError, match=r"trainable_beta=True.*Received: beta="):
+        kap.layers.swish(keras.Input((6,)), beta=tf.constant(1.5))
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_swish_inside_xla_traced_for_any_batch_size_matches_float64(
     policy, monkeypatch

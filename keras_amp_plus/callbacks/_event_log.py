@@ -4,8 +4,9 @@
 (`"type": "overflow"`), a list change (`"type": "list_change"`), a loss scale
 put back after a denial (`"type": "scale_restored"`) or a denied layer that
 still overflows (`"type": "denial_without_effect"`), each with the number of
-the run (`"run"`) that wrote it; runs in one directory are appended. Every line
-is flushed when written, so a crash loses nothing already reported, and the
+the run (`"run"`) that wrote it; runs in one directory are appended. Lines are
+flushed as they are written (each read's events at once: on `gs://` every flush
+uploads the whole file), so a crash loses nothing already reported, and the
 file can be cut back to a known line count when an interrupted `fit` resumes.
 Files go through TensorFlow's file systems (`tf.io.gfile`), as TensorBoard's
 event files do, so a `log_dir` such as `gs://bucket/logs` holds all of them.
@@ -98,13 +99,17 @@ class EventLog:
             self._file.close()
             self._file = None
 
-    def write_record(self, record: dict) -> None:
-        """Append one JSON object to `amp_events.jsonl`."""
-        if self._file is None:
+    def write_records(self, records: list[dict]) -> None:
+        """Append JSON objects to `amp_events.jsonl`, one line each; flush once."""
+        if self._file is None or not records:
             return
-        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
         self._file.flush()
-        self.lines_written += 1
+        self.lines_written += len(records)
+
+    def write_record(self, record: dict) -> None:
+        """Append one JSON object to `amp_events.jsonl` (see `write_records`)."""
+        self.write_records([record])
 
     def scalars(self, values: dict, step: int) -> None:
         """Write `{tag: value}` scalars at `step` (None values are skipped)."""

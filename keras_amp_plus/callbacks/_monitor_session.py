@@ -320,10 +320,10 @@ class MonitorSession:
         for event in events:
             event["trusted"] = rule.is_trusted(event)
             event["run"] = state.run
-            self.log.write_record(event)
             logger.debug("AMPMonitor overflow event: %s", event)
             self._note_forward_scale(event)
             self._scale_points(event)
+        self.log.write_records(events)
         state.skipped_steps += len(events)
         values = (self.loss_scale(), state.skipped_steps)
         if force_scalars or values != self._written_scalars:

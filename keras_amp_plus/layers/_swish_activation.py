@@ -410,6 +410,14 @@ def swish(x, beta=1.0):
             return _SwishOperation(beta)(x)
         # tf.keras 2 wraps TF ops applied to its KerasTensors in layers of
         # their own, but not a custom gradient: the layer, in x's dtype.
+        if not isinstance(beta, numbers.Real):
+            raise ValueError(
+                "On Keras 2, `keras_amp_plus.layers.swish` applied to a symbolic "
+                "`keras.Input` tensor builds a `Swish` layer, whose `beta` is a "
+                "number. Pass a float `beta`, or use "
+                "`keras_amp_plus.layers.Swish(trainable_beta=True)` for a "
+                f"learned one. Received: beta={beta!r}"
+            )
         return Swish(beta=beta, dtype=x.dtype.name)(x)
     x = tf.convert_to_tensor(x)
     # The result has x's dtype: integers would come back truncated.

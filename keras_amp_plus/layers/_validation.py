@@ -3,7 +3,6 @@
 import math
 import numbers
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -42,7 +41,7 @@ def _is_float_tensor(value) -> bool:
     dtype = getattr(value, "dtype", None)
     if dtype is None or not hasattr(value, "shape"):
         return False
-    return "float" in keras.backend.standardize_dtype(dtype)
+    return "float" in _compat.standardize_dtype(dtype)
 
 
 def check_swish_beta(beta, allow_tensors: bool):

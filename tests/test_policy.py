@@ -30,6 +30,14 @@ def test_lists_are_immutable_values():
     assert lists.deny_ops == ("Softmax",)
     assert lists == PrecisionLists(deny_ops=("Softmax",))
     assert hash(lists) == hash(PrecisionLists(deny_ops=("Softmax",)))
+    # A layer or op type is in a list or not: the order decides nothing.
+    assert PrecisionLists(deny_ops=("Exp", "Log")) == PrecisionLists(
+        deny_ops=("Log", "Exp")
+    )
+    variants = {PrecisionLists(deny_ops=("Exp", "Log")), FULL.replace(deny_ops=())}
+    assert len(variants | {PrecisionLists(deny_ops=("Log", "Exp"))}) == 2
+    assert PrecisionLists(deny_ops=("Exp",)) != PrecisionLists(allow_ops=("Exp",))
+    assert PrecisionLists() != {}
 
 
 def test_inputs_are_normalized():
@@ -230,6 +238,9 @@ def test_to_markdown_has_one_row_per_list():
     # A regex alternation must not end the table cell.
     row = PrecisionLists(deny_layers=("d1|d2",)).to_markdown().splitlines()[3]
     assert row == r"| deny_layers | `d1\|d2` |"
+    # Nor a backtick end the code span (CommonMark: a longer fence).
+    row = PrecisionLists(deny_layers=("a`b",)).to_markdown().splitlines()[3]
+    assert row == "| deny_layers | `` a`b `` |"
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ Two levels, one object:
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 
 from keras_amp_plus._lists import env_vars, layer_names, validation
@@ -27,7 +28,16 @@ LAYER_FIELDS = ("allow_layers", "deny_layers")
 OP_FIELDS = ("allow_ops", "infer_ops", "clear_ops", "deny_ops")
 
 
-@dataclasses.dataclass(frozen=True)
+def _code_span(text: str) -> str:
+    """Return `text` as a markdown code span, whatever backticks it holds."""
+    runs = re.findall("`+", text)
+    # CommonMark: a longer fence than any backtick run inside, padded by spaces.
+    fence = "`" * (max(map(len, runs), default=0) + 1)
+    padded = f" {text} " if runs else text
+    return f"{fence}{padded}{fence}"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class PrecisionLists:
     """Allow/deny lists for layers and op types, as an immutable value.
 
@@ -61,6 +71,19 @@ class PrecisionLists:
             names = validation.as_names(getattr(self, field), field)
             object.__setattr__(self, field, names)
         validation.check_lists(self, LAYER_FIELDS, OP_FIELDS)
+
+    def _entry_sets(self) -> tuple:
+        return tuple(frozenset(getattr(self, f)) for f in LAYER_FIELDS + OP_FIELDS)
+
+    def __eq__(self, other):
+        # The order of entries decides nothing: a layer or op type is in a
+        # list or not.
+        if not isinstance(other, PrecisionLists):
+            return NotImplemented
+        return self._entry_sets() == other._entry_sets()
+
+    def __hash__(self):
+        return hash(self._entry_sets())
 
     def replace(self, **changes) -> "PrecisionLists":
         """Return a copy with some fields replaced (validated like the original).
@@ -180,7 +203,7 @@ class PrecisionLists:
         for field in LAYER_FIELDS + OP_FIELDS:
             # A regex alternation ("a|b") would end the table cell early.
             entries = ", ".join(
-                f"`{name}`".replace("|", "\\|") for name in getattr(self, field)
+                _code_span(name).replace("|", "\\|") for name in getattr(self, field)
             )
             entries = entries or "-"
             rows.append(f"| {field} | {entries} |")

@@ -155,6 +155,11 @@ def test_bfloat16_non_finite_loss_is_watched(tmp_path, caplog, scaler):
         # blame the layer whose weights are broken.
         assert all(e["layers"] == [] for e in events)
         assert all("non-finite weights in d1" in e["evidence"] for e in events)
+        # Nothing skipped them: the series says what it counts.
+        accumulator = read_tensorboard(str(tmp_path))
+        assert "amp/skipped_steps" not in accumulator.Tags()["tensors"]
+        nonfinite = scalar_series(accumulator, "amp/nonfinite_steps")
+        assert max(nonfinite.values()) == STEPS_PER_EPOCH
     else:
         assert {tuple(e["layers"]) for e in events} == {("hot",)}
         assert history.history["loss_scale"] == [1.0]
@@ -240,6 +245,47 @@ def test_a_denied_layer_earns_low_precision_back(tmp_path):
     ]
     assert monitor.lists.allow_layers == ("hot",) and monitor.lists.deny_layers == ()
     assert model.get_layer("hot").compute_dtype == "float16"
+
+
+def test_a_later_fit_decides_on_the_epochs_of_the_record(tmp_path):
+    # The rule's memory spans fits; a second `fit` numbers its epochs from 0
+    # again, the record (and the JSON lines) after the first's.
+    model = overflow_model("mixed_float16")
+    kernel = model.get_layer("hot").kernel
+    hot = kernel.numpy()
+    kernel.assign(hot * 1e-4)
+    monitor = AMPMonitor(str(tmp_path), read_every_steps=4)
+    train(model, [monitor], epochs=2)
+    kernel.assign(hot)
+    train(model, [monitor], epochs=1)
+    changes = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "list_change"]
+    assert [(c["epoch"], c["to"]) for c in changes] == [(2, "deny")]
+    assert "in epoch 2," in changes[0]["reason"]
+
+
+def test_the_scale_put_back_is_the_one_before_the_overflows_that_denied(tmp_path):
+    # `hot` overflows in epochs 0 and 2, calm in between, and is denied at
+    # epoch 2: the scale goes back to where it stood before epoch 2's
+    # overflows, not to the one before epoch 0's, long since left.
+    class CalmInEpochOne(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            kernel = self.model.get_layer("hot").kernel
+            if epoch in (1, 2):
+                kernel.assign(kernel * (1e-4 if epoch == 1 else 1e4))
+
+    model = overflow_model("mixed_float16", on_min_scale="ignore")
+    monitor = AMPMonitor(
+        str(tmp_path), read_every_steps=4, deny_threshold=STEPS_PER_EPOCH + 1
+    )
+    history = train(model, [CalmInEpochOne(), monitor], epochs=3)
+    assert history.history["overflow_events"] == [STEPS_PER_EPOCH, 0, STEPS_PER_EPOCH]
+    records = read_jsonl(str(tmp_path))
+    events = [r for r in records if r["type"] == "overflow" and r["epoch"] == 2]
+    changes = [r for r in records if r["type"] == "list_change"]
+    assert [(c["epoch"], c["name"], c["to"]) for c in changes] == [(2, "hot", "deny")]
+    restored = [r for r in records if r["type"] == "scale_restored"]
+    assert [r["to"] for r in restored] == [events[0]["scale_before"]]
+    assert events[0]["scale_before"] < 2.0**15
 
 
 class CustomStepModel(keras.Model):

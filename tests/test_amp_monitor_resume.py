@@ -252,3 +252,52 @@ def test_the_same_monitor_resumes_exactly_after_an_error_in_a_step(tmp_path):
     reference_dir = str(tmp_path / "reference")
     run(reference_dir, str(tmp_path / "b2"), adapt=False, epochs=3)
     assert read_jsonl(log_dir) == read_jsonl(reference_dir)
+
+
+def _fit_breaking(model, monitor, epoch, step):
+    with pytest.raises(Exception, match="a broken record"):
+        model.fit(
+            _breaking_data(epoch=epoch, step=step),
+            epochs=epoch + 1,
+            steps_per_epoch=STEPS_PER_EPOCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=[monitor],
+        )
+
+
+def test_a_run_stopped_in_its_first_epoch_keeps_its_number_and_steps(tmp_path):
+    log_dir = str(tmp_path)
+    model = overflow_model("mixed_float16", on_min_scale="ignore")
+    train(model, [AMPMonitor(log_dir, adapt=False)], epochs=2)
+    _fit_breaking(model, AMPMonitor(log_dir, adapt=False), epoch=0, step=3)
+    monitor = AMPMonitor(log_dir, adapt=False)
+    train(model, [monitor], epochs=1)
+    assert monitor.state.run == 3
+    runs = [r["run"] for r in read_jsonl(log_dir) if r["type"] == "overflow"]
+    assert runs == [1] * 2 * STEPS_PER_EPOCH + [2] * 3 + [3] * STEPS_PER_EPOCH
+    # Every step on one TensorBoard axis: the stopped run's 3 steps included.
+    skipped = scalar_series(read_tensorboard(log_dir), "amp/skipped_steps")
+    assert list(skipped) == sorted(skipped)
+    assert list(skipped.values()) == [
+        STEPS_PER_EPOCH,
+        2 * STEPS_PER_EPOCH,
+        2 * STEPS_PER_EPOCH + 3,
+        3 * STEPS_PER_EPOCH + 3,
+    ]
+
+
+def test_a_fit_stopped_in_its_first_epoch_leaves_the_epoch_numbers(tmp_path):
+    # The same monitor's later `fit`s number epochs after the earlier ones'
+    # (as TensorBoard's callback does), a stopped one changing nothing.
+    log_dir = str(tmp_path)
+    model = overflow_model("mixed_float16", on_min_scale="ignore")
+    monitor = AMPMonitor(log_dir, adapt=False)
+    train(model, [monitor], epochs=2)
+    _fit_breaking(model, monitor, epoch=0, step=3)
+    train(model, [monitor], epochs=1)
+    events = [r for r in read_jsonl(log_dir) if r["type"] == "overflow"]
+    assert [r["epoch"] for r in events] == [0] * STEPS_PER_EPOCH + [
+        1
+    ] * STEPS_PER_EPOCH + [2] * STEPS_PER_EPOCH
+    assert monitor.state.epoch_offset == 2

@@ -5,6 +5,8 @@ with a batch that overflows only sometimes: `hot` has a moderate fixed kernel,
 fine on normal inputs, and one batch per epoch holds inputs 1e4 times larger.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -272,6 +274,31 @@ def test_a_monitor_reused_for_another_model_starts_from_its_own_lists(tmp_path):
     assert calm.get_layer("head").compute_dtype == "float32"
     assert monitor.lists.deny_layers == ("head",)
     assert monitor.state.run == 2
+
+
+@pytest.mark.onednn
+def test_engine_auto_is_resolved_again_at_every_fit(tmp_path):
+    # "auto" chose the layer engine for empty lists; op lists given later
+    # need a graph engine, which a fresh monitor would choose too.
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="d")])
+    model.compile("sgd", "mse")
+    monitor = AMPMonitor(str(tmp_path), adapt=False)
+    train(model, [monitor], epochs=1)
+    assert monitor.engine.name == "keras"
+    assert monitor.get_config()["engine"] == "auto"
+    monitor.lists = PrecisionLists(deny_ops=("MatMul",))
+    seen = []
+    watch = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: seen.append(
+            os.environ.get("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD")
+        )
+    )
+    train(model, [monitor, watch], epochs=1)
+    assert monitor.engine.name == "grappler"
+    assert seen and set(seen) == {"MatMul"}  # in force while the model trained
+    engine = monitor.engine
+    train(model, [monitor], epochs=1)
+    assert monitor.engine is engine  # the same kind again: its rebuilt step kept
 
 
 def test_the_loss_scale_series_goes_forward_in_steps(tmp_path):

@@ -252,6 +252,19 @@ def test_events_read_together_are_written_with_one_flush(tmp_path):
     log.close()
 
 
+def test_a_line_cut_short_by_a_crash_is_dropped_not_joined(tmp_path):
+    path = tmp_path / event_log.EVENTS_FILE
+    path.write_text('{"i": 0}\n{"i": 1}\n{"i"')
+    log = event_log.EventLog(str(tmp_path))
+    log.open(keep_lines=None)
+    log.write_record({"i": 2})
+    log.close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["i"] for line in lines] == [0, 1, 2]
+    assert log.lines_written == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["amp", path.name]
+
+
 def test_event_log_keeps_lines_on_resume_and_writes_tensorboard(tmp_path):
     log = event_log.EventLog(str(tmp_path))
     log.open(keep_lines=None)

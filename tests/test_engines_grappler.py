@@ -417,3 +417,28 @@ def test_a_fit_stopped_by_an_error_in_a_step_leaves_no_rewrite_on(tmp_path):
     assert np.isfinite(_fit_one_step(model).history["loss"][0])
     model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
     assert _global_state() == before
+
+
+def test_a_read_that_fails_mid_epoch_leaves_no_rewrite_on(tmp_path, monkeypatch):
+    # A read between steps (say, the log's disk is full) stops `fit` with no
+    # `on_train_end` either.
+    from keras_amp_plus.callbacks import AMPMonitor, _monitor_session
+
+    model = _model()
+    before = _global_state()
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monitor = AMPMonitor(str(tmp_path), engine="grappler", read_every_steps=1)
+    monkeypatch.setattr(_monitor_session.MonitorSession, "drain", full_disk)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6, 6, 2)).astype("float32")
+    y = rng.normal(size=(16, 2)).astype("float32")
+    with pytest.raises(OSError, match="No space left"):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    assert _global_state() == before
+    assert "train_step" not in model.__dict__  # the model's own step again
+    monkeypatch.undo()
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    assert _global_state() == before

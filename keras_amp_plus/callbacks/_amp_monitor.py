@@ -28,7 +28,8 @@ class AMPMonitor(keras.callbacks.Callback):
     monitor reads them exactly, attributes each to a layer, and writes:
 
     - TensorBoard run `<log_dir>/amp`: `amp/loss_scale` and `amp/skipped_steps`
-      (cumulative) at the global train step; `amp/overflow_events`,
+      (cumulative; without a scaler `amp/nonfinite_steps`, steps whose Inf/NaN
+      update was applied) at the global train step; `amp/overflow_events`,
       `amp/overflow_rate` (events / steps) and `amp/overflow/<layer path>` per
       epoch (at step = epoch); text `amp/lists` (at step = the epoch the lists
       take effect in: the first, and the one after each change) and
@@ -103,9 +104,10 @@ class AMPMonitor(keras.callbacks.Callback):
             float32 model, when a graph rewrite is already on; see
             `keras_amp_plus.engines._resolve`). A
             graph engine that cannot work here (grappler with oneDNN off)
-            raises in `on_train_begin`. From `on_train_begin` on,
-            `monitor.engine` is the Engine really used (pass it to
-            `precision_report`). Defaults to `"auto"`.
+            raises in `on_train_begin`. A name is resolved at every `fit`
+            (a reused monitor may meet another model or other lists); from
+            `on_train_begin` on, `monitor.engine` is the Engine really used
+            (pass it to `precision_report`). Defaults to `"auto"`.
         adapt: whether to move layers between lists. Defaults to `True`.
         deny_threshold: accumulated evidence (events attributed to one layer
             at a trusted scale, decayed by `evidence_decay` per epoch) that
@@ -186,6 +188,9 @@ class AMPMonitor(keras.callbacks.Callback):
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         if isinstance(self.log_dir, bytes):
             self.log_dir = os.fsdecode(self.log_dir)
+        # What the user asked for, resolved at every `fit`; `self.engine` is
+        # the Engine really used from the first `on_train_begin` on.
+        self.requested_engine = engine
         self.engine = engine
         self.adapt = bool(adapt)  # NumPy bools too
         self.trusted_backward_scale = float(trusted_backward_scale)
@@ -262,7 +267,7 @@ class AMPMonitor(keras.callbacks.Callback):
         return {
             "log_dir": self.log_dir,
             "lists": self.lists.get_config(),
-            "engine": getattr(self.engine, "name", self.engine),
+            "engine": getattr(self.requested_engine, "name", self.requested_engine),
             "adapt": self.adapt,
             "deny_threshold": self.rule.deny_threshold,
             "patience": self.rule.patience,

@@ -148,13 +148,28 @@ def check_model(model) -> None:
         )
 
 
+def engine_for_fit(monitor, model):
+    """Return the Engine the monitor's `engine` argument stands for in this `fit`.
+
+    Resolved again at every `fit` ("auto" depends on the model and the
+    lists, which may have changed since the last); the Engine of the last
+    `fit` when it is of the same kind, so its rebuilt step is reused.
+    """
+    requested = monitor.requested_engine
+    engine = resolve_engine(requested, model, monitor.lists)
+    previous = monitor.engine
+    if isinstance(requested, str) and type(previous) is type(engine):
+        return previous
+    return engine
+
+
 def check_fit_setup(monitor, model):
     """Check the model, log_dir, engine and lists; return the resolved engine."""
     check_model(model)
     distribution.check_jit_compile(model)
     if monitor.log_dir and distribution.is_chief(model.distribute_strategy):
         check_writable(monitor.log_dir)  # other workers write nothing there
-    engine = resolve_engine(monitor.engine, model, monitor.lists)
+    engine = engine_for_fit(monitor, model)
     if engine.name == "itex":
         require_itex()  # fail now, not at the first list change
     # Fail now, not mid-fit: grappler with oneDNN off, ITEX whose bfloat16

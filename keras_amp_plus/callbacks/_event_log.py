@@ -78,16 +78,28 @@ class EventLog:
         if tf.io.gfile.exists(self.events_path):
             with tf.io.gfile.GFile(self.events_path) as f:
                 lines = f.readlines()
-        if keep_lines is not None and keep_lines < len(lines):
-            lines = lines[:keep_lines]
-            with tf.io.gfile.GFile(self.events_path, "w") as f:
-                f.write("".join(lines))
-        self.lines_written = len(lines)
+        kept = lines if keep_lines is None else lines[:keep_lines]
+        if kept and not kept[-1].endswith("\n"):
+            kept = kept[:-1]  # cut short by a crash: the next line would join it
+        if len(kept) < len(lines):
+            self._rewrite(kept)
+        self.lines_written = len(kept)
         self._file = tf.io.gfile.GFile(self.events_path, "a")
         self._file.write("")  # creates the file: a run without events has one
         self._writer = tf.summary.create_file_writer(
             os.path.join(self.log_dir, TENSORBOARD_RUN)
         )
+
+    def _rewrite(self, lines: list[str]) -> None:
+        """Replace the events file by `lines`, atomically where renames are.
+
+        Through a temporary file, as the state file: a crash while writing
+        leaves the old file whole.
+        """
+        temporary = self.events_path + ".tmp"
+        with tf.io.gfile.GFile(temporary, "w") as f:
+            f.write("".join(lines))
+        tf.io.gfile.rename(temporary, self.events_path, overwrite=True)
 
     def close(self) -> None:
         """Flush and close the writers."""

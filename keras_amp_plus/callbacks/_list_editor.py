@@ -13,6 +13,8 @@ its saved policy (after `load_model`) is float32. At op level an op type stays
 denied while another monitor-denied layer still needs it.
 """
 
+import copy
+
 from keras_amp_plus._lists import layer_names
 
 
@@ -91,7 +93,8 @@ class ListEditor:
 
     def get_state(self) -> dict:
         """Return what is needed to undo the moves, as JSON data."""
-        return {"origins": self.origins, "needs": self.needs}
+        # Copies: the monitor's state keeps them, and this editor goes on.
+        return copy.deepcopy({"origins": self.origins, "needs": self.needs})
 
     def set_state(self, state: dict) -> None:
         """Restore `get_state()` output."""

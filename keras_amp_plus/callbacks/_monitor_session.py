@@ -163,7 +163,6 @@ class MonitorSession:
     # -- start / resume ----------------------------------------------------------
     def start(self, epoch: int) -> None:
         """Continue the monitor's record at `epoch` (resume or fresh start)."""
-        monitor = self.monitor
         memory = self.memory
         if not memory.watch(self.model) and memory.state.epoch >= 0:
             # This monitor's last `fit` trained another model (a callbacks
@@ -172,46 +171,15 @@ class MonitorSession:
             # own, from the monitor's own lists; a reloaded copy that still
             # runs the lists continues them (`_model_keeps_lists_of`).
             memory.start_over()
-        state = memory.state
-        continuing = state.epoch >= 0
-        snapshots = state_module.load_snapshots(monitor.log_dir)
-        if not continuing:
-            snapshot = snapshots.get(epoch - 1)
-            if epoch > 0 and snapshot is not None:
-                state, continuing = snapshot, True
-                logger.info("AMPMonitor: resuming the record of epoch %d.", epoch - 1)
-            else:
-                previous = snapshots[max(snapshots)] if snapshots else None
-                state_module.clear_state(self.write_dir)
-                snapshots = {}
-                if previous is not None:
-                    # A new run after earlier ones in this log_dir: new run
-                    # number, TensorBoard steps continue after theirs.
-                    state.run = previous.run + 1
-                    state.step_offset = previous.step_offset + previous.total_steps
-                    state.epoch_offset = (
-                        previous.epoch_offset + previous.epoch + 1 - epoch
-                    )
-                    state.run_epoch_offset = state.epoch_offset
-                    # One cumulative series on one TensorBoard step axis.
-                    state.skipped_steps = previous.skipped_steps
-                    if self._model_keeps_lists_of(previous):
-                        state.lists = previous.lists
-                        state.adaptation = previous.adaptation
-                        logger.info(
-                            "AMPMonitor: continuing the lists of run %d of "
-                            "this log_dir, which the model's dtype policies "
-                            "still carry: %s",
-                            previous.run,
-                            PrecisionLists.from_config(previous.lists),
-                        )
-        elif epoch <= state.epoch:
+        state, continuing = self._record_to_continue(epoch)
+        # What an abort in this fit's first epoch goes back to: the record
+        # as the last completed epoch left it, before the renumbering below.
+        self._epoch_end_state = copy.deepcopy(state)
+        if epoch <= state.epoch:
             # The same monitor in a new `fit` that numbers epochs from 0 again.
             state.epoch_offset += state.epoch + 1 - epoch
-        self.snapshots = {e: s.to_dict() for e, s in snapshots.items()}
         memory.resume(state)
         self.editor.set_state(state.adaptation.get("editor", {}))
-        self._epoch_end_state = copy.deepcopy(state)
         self.recorder.restore_counters(state.total_steps, state.recorder_events)
         # Our scaler's counts are its own: a reloaded earlier checkpoint, an
         # optimizer reused or another model's may be behind or ahead of the
@@ -228,6 +196,51 @@ class MonitorSession:
         self.engine.start(self.model, memory.lists)
         self._log_lists(state.epoch_offset + epoch)
         self.started = True
+
+    def _record_to_continue(self, epoch: int) -> tuple:
+        """Return `(state, continuing)`: the record this `fit` continues.
+
+        The monitor's own (a later `fit`), the state file's snapshot of
+        epoch `epoch - 1` (a `fit` resumed by `BackupAndRestore`), else a new
+        run numbered after the state file's last one. The state file is left
+        as it is until this run's first epoch ends (a crash before that must
+        not lose the earlier runs' numbering).
+        """
+        state = self.memory.state
+        snapshots = state_module.load_snapshots(self.monitor.log_dir)
+        if state.epoch >= 0:
+            continuing = True
+        elif epoch > 0 and snapshots.get(epoch - 1) is not None:
+            state, continuing = snapshots[epoch - 1], True
+            logger.info("AMPMonitor: resuming the record of epoch %d.", epoch - 1)
+        else:
+            continuing = False
+            if snapshots:
+                self._continue_after(state, snapshots[max(snapshots)], epoch)
+            snapshots = {}  # the first save replaces the earlier runs' file
+        self.snapshots = {e: s.to_dict() for e, s in snapshots.items()}
+        return state, continuing
+
+    def _continue_after(self, state, previous, epoch: int) -> None:
+        """Give `state` the numbers of a run after `previous`, the log_dir's last.
+
+        A new run number; TensorBoard steps and epochs continue after its.
+        """
+        state.run = previous.run + 1
+        state.step_offset = previous.step_offset + previous.total_steps
+        state.epoch_offset = previous.epoch_offset + previous.epoch + 1 - epoch
+        state.run_epoch_offset = state.epoch_offset
+        # One cumulative series on one TensorBoard step axis.
+        state.skipped_steps = previous.skipped_steps
+        if self._model_keeps_lists_of(previous):
+            state.lists = previous.lists
+            state.adaptation = previous.adaptation
+            logger.info(
+                "AMPMonitor: continuing the lists of run %d of this log_dir, "
+                "which the model's dtype policies still carry: %s",
+                previous.run,
+                PrecisionLists.from_config(previous.lists),
+            )
 
     def _scaler_count(self) -> int:
         if self.recorder.kind != SCALER_KAP:
@@ -298,7 +311,11 @@ class MonitorSession:
         epoch are done.
         """
         if batch - self.read_at >= self.read_every:
-            self.epoch_events.extend(self.drain())
+            try:
+                self.epoch_events.extend(self.drain())
+            except BaseException:
+                self.abort()  # Keras calls no `on_train_end` then
+                raise
             self.read_at = batch
 
     def drain(self, force_scalars: bool = False, agree: bool = True) -> list:
@@ -330,7 +347,7 @@ class MonitorSession:
             self._written_scalars = values
             step = self.tensorboard_step()
             self._scale_point(values[0], step)
-            self.log.scalars({"amp/skipped_steps": values[1]}, step=step)
+            self.log.scalars({self._steps_tag(): values[1]}, step=step)
         return events
 
     def _scale_point(self, value, step: int) -> None:
@@ -390,28 +407,52 @@ class MonitorSession:
         self._scale_point(before, step - 1)
         self._scale_point(after, step)
 
-    def _note_forward_scale(self, event) -> None:
-        """Remember the scale before the first forward overflow (see `adapt`)."""
+    def _scales_before_forward(self) -> dict:
+        """`{layer: scale}`: the scale before each layer's forward overflows."""
         adaptation = self.memory.state.adaptation
-        if (
-            event["direction"] == "forward"
-            and event["layers"]
-            and event["scale_before"] is not None
-            and adaptation.get("scale_before_forward") is None
-        ):
-            adaptation["scale_before_forward"] = event["scale_before"]
+        if not isinstance(adaptation.get("scale_before_forward"), dict):
+            adaptation["scale_before_forward"] = {}  # a state file's older form
+        return adaptation["scale_before_forward"]
 
-    def restore_scale(self, epoch: int) -> None:
-        """Put the scale back where it was before the forward overflows.
+    def _note_forward_scale(self, event) -> None:
+        """Remember the scale before a layer's first forward overflow (`adapt`)."""
+        if event["direction"] == "forward" and event["scale_before"] is not None:
+            scales = self._scales_before_forward()
+            for layer in event["layers"]:
+                scales.setdefault(layer, event["scale_before"])
+
+    def _forget_calm_layers(self, events) -> None:
+        """Forget the scales of layers without a forward overflow this epoch.
+
+        Their overflows stopped: a later one starts from the scale of its
+        time, not from one the scaler has long since left for other reasons.
+        """
+        overflowing = {
+            layer
+            for event in events
+            if event["direction"] == "forward"
+            for layer in event["layers"]
+        }
+        scales = self._scales_before_forward()
+        for layer in [layer for layer in scales if layer not in overflowing]:
+            del scales[layer]
+
+    def restore_scale(self, epoch: int, denied_layers) -> None:
+        """Put the scale back where it was before the denied layers' overflows.
 
         A forward overflow is no sign the scale is too high, yet the scaler
         halves it at each one; once the layer is denied the scale would need
         thousands of clean steps to grow back.
+
+        Args:
+            epoch: the epoch that ended.
+            denied_layers: the layers just moved to the deny list.
         """
-        adaptation = self.memory.state.adaptation
-        target = adaptation.pop("scale_before_forward", None)
-        if target is None or not self.has_scaler():
+        scales = self._scales_before_forward()
+        targets = [scales.pop(layer) for layer in denied_layers if layer in scales]
+        if not targets or not self.has_scaler():
             return
+        target = max(targets)
         optimizer = self.model.optimizer
         if isinstance(optimizer, LossScaleOptimizer):
             target = min(target, optimizer.max_scale)
@@ -443,6 +484,10 @@ class MonitorSession:
             current,
             target,
         )
+
+    def _steps_tag(self) -> str:
+        """Return the tag of the cumulative event steps (applied without a scaler)."""
+        return "amp/skipped_steps" if self.has_scaler() else "amp/nonfinite_steps"
 
     def has_scaler(self) -> bool:
         """Return True when a loss scaler (ours or Keras's) wraps the optimizer."""
@@ -548,7 +593,10 @@ class MonitorSession:
         lists = memory.lists
         denied = self.editor.denied_layers(self.model, lists)
         changes = []
-        for decision in memory.rule.decide(epoch, evidence, denied):
+        # Record epochs: the rule's memory (last return, clean epochs) spans
+        # fits, which each number their epochs from 0.
+        decisions = memory.rule.decide(self.record_epoch(epoch), evidence, denied)
+        for decision in decisions:
             lists, moved = self.editor.apply(lists, decision)
             for change in moved:
                 change.update(reason=decision.reason, evidence=decision.evidence)
@@ -574,8 +622,9 @@ class MonitorSession:
         if changes:
             memory.set_lists(lists)
             self.engine.apply(self.model, lists)
-            if any(change["to"] == "deny" for change in changes):
-                self.restore_scale(epoch)
+            denied = [c["layer"] for c in changes if c["to"] == "deny"]
+            if denied:
+                self.restore_scale(epoch, denied)
         return changes
 
     def end_epoch(self, epoch: int, logs: dict | None) -> None:
@@ -606,6 +655,7 @@ class MonitorSession:
                 self.log.text("amp/changes", changes_markdown(changes), step)
                 # The new lists take effect from the next epoch.
                 self._log_lists(step + 1)
+        self._forget_calm_layers(events)
         if logs is not None and self.loss_scale() is not None:
             # After `adapt`, which may have put the scale back.
             logs["loss_scale"] = self.loss_scale()
@@ -657,12 +707,23 @@ class MonitorSession:
             return
         try:
             self.drain(force_scalars=True, agree=False)
+            if self._epoch_end_state.epoch < 0:
+                self._save_stopped_first_epoch()
         except Exception:  # the step's own error is the one to raise
             logger.exception(
                 "AMPMonitor could not read the events of the interrupted epoch."
             )
-        self.log.flush()
         self.memory.resume(copy.deepcopy(self._epoch_end_state))
+
+    def _save_stopped_first_epoch(self) -> None:
+        """Save a run stopped in its first epoch as the state file's last one.
+
+        Its lines stay in `amp_events.jsonl` and its points in TensorBoard,
+        so the next run is numbered, and its steps placed, after it. Saved as
+        epoch -1, which no resumed `fit` (from epoch 1 on) continues from.
+        """
+        state = self.memory.snapshot(-1, self.editor.get_state(), **self._counters())
+        state_module.save_snapshot(self.write_dir, state, self.snapshots)
 
     def close(self) -> StepCache:
         """Flush, close and uninstall (end of `fit`); return the step to reuse."""

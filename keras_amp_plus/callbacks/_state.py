@@ -241,9 +241,3 @@ def save_snapshot(
     with tf.io.gfile.GFile(temporary, "w") as f:
         json.dump(data, f, sort_keys=True)
     tf.io.gfile.rename(temporary, state_path(log_dir), overwrite=True)
-
-
-def clear_state(log_dir: str | None) -> None:
-    """Remove the state file (a fresh `fit` from epoch 0 starts a new record)."""
-    if log_dir and tf.io.gfile.exists(state_path(log_dir)):
-        tf.io.gfile.remove(state_path(log_dir))

@@ -9,6 +9,7 @@ bad batch is not replayed: no layer is blamed (and denied) for a bad record.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import read_jsonl, use_policy
 
 from keras_amp_plus.callbacks import AMPMonitor
@@ -89,3 +90,36 @@ def test_an_overflow_before_a_bad_record_is_not_called_bad_data(tmp_path, jit_co
         f"not replayed: the batch kept is step {bad_step}'s"
     )
     assert monitor.lists.deny_layers == ()
+
+
+class _RefuseHugeValues(keras.layers.Layer):
+    """A float32 check a pipeline might have: it raises on a broken record."""
+
+    def call(self, x):
+        largest = tf.reduce_max(tf.abs(x))
+        tf.debugging.assert_less(largest, 1e9, message="a broken record")
+        return x
+
+
+def test_events_are_written_when_the_replay_itself_fails(tmp_path):
+    # The step stopped by a broken record is the one whose batch is kept:
+    # replaying it raises too. The overflow events read at the stop are
+    # written without a layer, never dropped.
+    use_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    checked = _RefuseHugeValues(dtype="float32")(inputs)
+    hidden = keras.layers.Dense(16, name="hot")(checked)
+    outputs = keras.layers.Dense(1, dtype="float32", name="head")(hidden)
+    model = keras.Model(inputs, outputs)
+    model.compile(LossScaleOptimizer(keras.optimizers.SGD(0.0)), "mse")
+    x = np.full((4 * BATCH, 8), 1e5, "float32")  # `hot` overflows every step
+    x[2 * BATCH, 0] = 1e10  # the third step's batch is broken
+    y = np.ones((4 * BATCH, 1), "float32")
+    monitor = AMPMonitor(str(tmp_path), adapt=False)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="a broken record"):
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    # Step 3 ran its ops (TensorFlow raises the failed check at the end).
+    assert [e["step"] for e in events] == [1, 2, 3]
+    assert all(e["layers"] == [] for e in events)
+    assert all("replay_failed (InvalidArgumentError)" in e["evidence"] for e in events)

@@ -148,15 +148,33 @@ class EventCollector:
     def _replay(self, step, batches):
         """Return the replay's verdict on `step`'s batches (once per step)."""
         if step not in self._replayed:
-            # Each local replica's share: the first that overflows names it.
-            for data in batches:
-                culprit = attribution.find_forward_overflow(
-                    self.model, data, self.index.layers, self.index.chain
+            try:
+                culprit = self._first_overflow(batches)
+            except Exception as error:  # the events must be written all the same
+                logger.warning(
+                    "AMPMonitor could not replay the batch of step %d to find the "
+                    "layer that overflowed (%s: %s); its overflow events are "
+                    "logged without a layer.",
+                    step,
+                    type(error).__name__,
+                    str(error).splitlines()[0] if str(error) else "",
                 )
-                if culprit["layer"]:
-                    break
+                culprit = {
+                    "layer": None,
+                    "reason": f"replay_failed ({type(error).__name__})",
+                }
             self._replayed = {step: culprit}
         return self._replayed[step]
+
+    def _first_overflow(self, batches):
+        """Return the verdict of the first local replica's share that overflows."""
+        for data in batches:
+            culprit = attribution.find_forward_overflow(
+                self.model, data, self.index.layers, self.index.chain
+            )
+            if culprit["layer"]:
+                break
+        return culprit
 
     def _unwatched_forward(self, record):
         """Return True for a possible forward overflow the loss did not show.

@@ -42,6 +42,11 @@ def test_parser_defaults():
         ["doctor", "--probe-seconds", "0"],
         ["doctor", "--probe-seconds", "-1"],
         ["demo", "--epochs", "0"],
+        ["demo", "--epochs", "abc"],
+        ["demo", "--epochs", "1.5"],
+        ["doctor", "--probe-seconds", "nan"],
+        ["doctor", "--probe-seconds", "inf"],
+        ["demo", "--log-dir", ""],
         ["demo", "--policy", "mixed_float16"],
         ["cure"],
         ["bench"],  # benchmarks run from the checkout: `make bench`
@@ -51,7 +56,8 @@ def test_parser_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(argv)
     assert exit_info.value.code == 2
-    assert "error:" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "error:" in error and "invalid _" not in error  # no private names
 
 
 def test_demo_refuses_a_log_dir_that_is_a_file(tmp_path, capsys):
@@ -177,6 +183,27 @@ def test_demo_quick_shows_the_payoff_and_the_rescue(tmp_path, onednn):
         assert any((log_dir / run / "train").glob("events.out.tfevents.*"))
     for run in ("mixed_bfloat16", "mixed_float16"):
         assert any((log_dir / run / "amp").glob("events.out.tfevents.*"))
+
+
+def test_demo_refuses_a_log_dir_it_cannot_create(tmp_path, capsys):
+    a_file = tmp_path / "logs"
+    a_file.write_text("not a directory")
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["demo", "--log-dir", str(a_file / "run")])
+    assert exit_info.value.code == 2
+    assert f"cannot be created: {a_file} is a file" in capsys.readouterr().err
+
+
+def test_demo_leaves_a_folder_it_did_not_write_and_says_why(tmp_path, capsys):
+    mine = tmp_path / "float32" / "mydata.txt"
+    mine.parent.mkdir()
+    mine.write_text("precious")
+    (tmp_path / "mixed_float16" / "amp").mkdir(parents=True)
+    assert demo.main(log_dir=str(tmp_path), epochs=1, quick=True) == 2
+    assert mine.read_text() == "precious"
+    assert (tmp_path / "mixed_float16" / "amp").is_dir()  # nothing deleted
+    error = capsys.readouterr().err
+    assert str(mine) in error and "another --log-dir" in error
 
 
 def test_demo_replaces_only_its_own_previous_runs_and_says_so(tmp_path, capsys):

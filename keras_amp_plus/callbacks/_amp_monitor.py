@@ -30,7 +30,8 @@ class AMPMonitor(keras.callbacks.Callback):
     - TensorBoard run `<log_dir>/amp`: `amp/loss_scale` and `amp/skipped_steps`
       (cumulative; without a scaler `amp/nonfinite_steps`, steps whose Inf/NaN
       update was applied) at the global train step; `amp/overflow_events`,
-      `amp/overflow_rate` (events / steps) and `amp/overflow/<layer path>` per
+      `amp/overflow_rate` (events / steps), `amp/scale_search_overflows`
+      (events at an untrusted scale) and `amp/overflow/<layer path>` per
       epoch (at step = epoch); text `amp/lists` (at step = the epoch the lists
       take effect in: the first, and the one after each change) and
       `amp/changes` (at the epoch that decided them).

@@ -12,30 +12,51 @@ report a wrong backend or a broken install.
 """
 
 import argparse
+import math
 import os
 
 
-def _positive_float(text: str) -> float:
-    """Parse a strictly positive float for argparse."""
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, received {text}")
+def _number(text: str, kind):
+    """Parse `text` as a finite, strictly positive `kind` (int or float)."""
+    expected = "a positive integer" if kind is int else "a positive number"
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be {expected}, received {text!r}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    """Parse a finite, strictly positive float for argparse."""
+    return _number(text, float)
 
 
 def _positive_int(text: str) -> int:
     """Parse a strictly positive int for argparse."""
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, received {text}")
-    return value
+    return _number(text, int)
 
 
 def _directory(text: str) -> str:
-    """Parse a directory path for argparse: one that exists as a file is refused."""
+    """Parse a directory path for argparse: one that can be used or created.
+
+    Refused before anything runs: an empty path, a file, and a missing path
+    whose nearest existing parent is a file or not writable.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError("must name a directory, received ''")
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(
             f"must be a directory (created if missing), received {text}, a file"
+        )
+    parent = os.path.abspath(text)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        what = "a file" if not os.path.isdir(parent) else "not writable"
+        raise argparse.ArgumentTypeError(
+            f"cannot be created: {parent} is {what}, received {text}"
         )
     return text
 

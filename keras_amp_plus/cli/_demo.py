@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import time
 
 import keras
@@ -238,17 +239,60 @@ def format_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+# What a demo run directory holds: Keras's TensorBoard runs and AMPMonitor's files.
+RUN_ENTRIES = frozenset(
+    {"train", "validation", "amp", "amp_events.jsonl", "amp_state.json"}
+)
+
+
+def foreign_entries(log_dir: str) -> list[str]:
+    """Return the paths in `log_dir`'s run directories that no demo wrote.
+
+    Example:
+    >>> foreign_entries("/nonexistent")
+    []
+    """
+    foreign = []
+    for policy in RUNS:
+        run_dir = os.path.join(log_dir, policy)
+        if os.path.isdir(run_dir):
+            names = sorted(set(os.listdir(run_dir)) - RUN_ENTRIES)
+            foreign += [os.path.join(run_dir, name) for name in names]
+        elif os.path.exists(run_dir):
+            foreign.append(run_dir)
+    return foreign
+
+
 def clear_previous_runs(log_dir: str) -> None:
     """Delete this demo's own run directories under `log_dir`, nothing else.
 
     TensorBoard would otherwise draw a new run on top of an old one. Says
-    which it deletes, so that nothing goes without a word.
+    which it deletes, so that nothing goes without a word. Call
+    `foreign_entries` first: a run directory holding anything else is the
+    user's, not the demo's.
     """
     for policy in RUNS:
         run_dir = os.path.join(log_dir, policy)
         if os.path.isdir(run_dir):
             print(f"Replacing the previous demo run {run_dir}")
             shutil.rmtree(run_dir)
+
+
+def prepare_log_dir(log_dir: str) -> str | None:
+    """Create `log_dir` and clear the demo's earlier runs; return an error or None."""
+    foreign = foreign_entries(log_dir)
+    if foreign:
+        return (
+            f"the demo writes its runs into {', '.join(RUNS)} under {log_dir}, "
+            f"where it would delete what it did not write: {', '.join(foreign)}. "
+            "Move those away or pass another --log-dir."
+        )
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as error:
+        return f"cannot create --log-dir {log_dir}: {error}"
+    clear_previous_runs(log_dir)
+    return None
 
 
 def main(log_dir: str = "logs/demo", epochs: int | None = None, quick=False) -> int:
@@ -262,14 +306,17 @@ def main(log_dir: str = "logs/demo", epochs: int | None = None, quick=False) -> 
             cores). Defaults to `False`.
 
     Returns:
-        0 (the process exit code).
+        The process exit code: 0, or 2 when `log_dir` cannot be used.
     """
     size = "quick" if quick else "default"
     epochs = epochs or DEFAULT_EPOCHS[size]
     if epochs < 1:
         raise ValueError(f"`epochs` must be at least 1. Received: epochs={epochs}")
     log_dir = os.path.abspath(log_dir)
-    clear_previous_runs(log_dir)
+    error = prepare_log_dir(log_dir)
+    if error:
+        print(f"python -m keras_amp_plus demo: error: {error}", file=sys.stderr)
+        return 2
     x_train, y_train = make_data(TRAIN_SAMPLES[size], seed=0)
     x_test, y_test = make_data(TEST_SAMPLES, seed=1)
     data = {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}

@@ -25,6 +25,7 @@ import re
 import keras
 import tensorflow as tf
 
+from keras_amp_plus._arguments import require_model
 from keras_amp_plus.engines._base import Engine, last_engine
 from keras_amp_plus.engines._grappler import LOG_PATH_VARIABLE
 from keras_amp_plus.engines._itex import require_itex
@@ -299,6 +300,7 @@ def precision_report(
     layer  class  policy   compute  variables
     out    Dense  float32  float32  float32
     """
+    require_model(model, "precision_report")
     if engine is None:
         engine = last_engine(model)
     name = _engine_name(model, engine)

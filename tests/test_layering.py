@@ -16,6 +16,7 @@ import keras_amp_plus
 
 PACKAGE_DIR = pathlib.Path(keras_amp_plus.__file__).parent
 RANKS = (
+    ("keras_amp_plus._arguments", 0),
     ("keras_amp_plus._compat", 0),
     ("keras_amp_plus._hardware", 0),
     ("keras_amp_plus._matmul_probe", 0),

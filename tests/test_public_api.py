@@ -188,3 +188,62 @@ def test_docstring_examples_are_found():
         ALL_MODULES
     )
     assert examples >= 10
+
+
+def _dense_model():
+    import keras
+
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")])
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (
+            lambda: keras_amp_plus.precision_report("m"),
+            TypeError,
+            r"`precision_report` expects a Keras model.*Received: model='m'",
+        ),
+        (
+            lambda: keras_amp_plus.engines.op_types_for_layer("d"),
+            TypeError,
+            r"expects a Keras layer.*Received: layer='d'",
+        ),
+        (
+            lambda: keras_amp_plus.callbacks.prepare_multi_worker_fit(None),
+            TypeError,
+            r"expects a Keras model.*Received: model=None",
+        ),
+        (
+            lambda: keras_amp_plus.engines.GrapplerEngine(log_dir=3),
+            TypeError,
+            r"`log_dir` must be a directory path.*Received: log_dir=3",
+        ),
+        (
+            lambda: keras_amp_plus.engines.KerasEngine().apply(_dense_model(), ["d"]),
+            TypeError,
+            r"`lists` must be a `keras_amp_plus.PrecisionLists`.*Received: lists=",
+        ),
+        (
+            lambda: keras_amp_plus.PrecisionLists.from_json("{"),
+            ValueError,
+            r"expects the JSON text `to_json\(\)` returns.*Received: text='\{'",
+        ),
+    ],
+    ids=["report", "op_types", "multi_worker", "grappler_log_dir", "apply", "json"],
+)
+def test_bad_arguments_get_keras_style_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_engines_take_the_lists_config_dict_as_the_monitor_does():
+    import keras
+
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(2, name="d", dtype="mixed_bfloat16")]
+    )
+    engine = keras_amp_plus.engines.KerasEngine()
+    engine.apply(model, {"deny_layers": ["d"]})
+    assert model.get_layer("d").dtype_policy.name == "float32"
+    engine.restore()

@@ -41,6 +41,7 @@ import functools
 import tensorflow as tf
 
 from keras_amp_plus import _compat
+from keras_amp_plus._arguments import require_layer
 
 _BIAS = ("BiasAdd", "BiasAddGrad")
 _CONV2D = ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", *_BIAS)
@@ -195,6 +196,7 @@ def op_types_for_layer(layer) -> tuple:
     >>> op_types_for_layer(keras.layers.Dense(2, activation="softmax"))
     ('MatMul', 'BatchMatMulV2', 'BiasAdd', 'BiasAddGrad', 'Softmax')
     """
+    require_layer(layer, "op_types_for_layer")
     op_types = list(own_op_types(layer))
     for sublayer in _compat.flatten_layers(layer):
         op_types.extend(own_op_types(sublayer))

@@ -245,7 +245,15 @@ class PrecisionLists:
         Args:
             text: a JSON string as returned by `to_json()`.
         """
-        return cls.from_config(json.loads(text))
+        try:
+            config = json.loads(text)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                "`PrecisionLists.from_json` expects the JSON text `to_json()` "
+                f'returns, e.g. \'{{"deny_layers": ["head"]}}\' ({error}). '
+                f"Received: text={text!r}"
+            ) from None
+        return cls.from_config(config)
 
     @classmethod
     def from_env(cls, environ: Mapping | None = None) -> "PrecisionLists":
@@ -279,5 +287,30 @@ class PrecisionLists:
         except ValueError as error:
             raise ValueError(
                 f"The mixed-precision list variables in the environment are "
-                f"inconsistent: {error} Fix or unset them. Received: {read}"
+                f"inconsistent: {error} Fix or unset them. The variables read: "
+                f"{read}"
             ) from None
+
+
+def as_precision_lists(lists, argument: str = "lists") -> PrecisionLists:
+    """Return `lists` as `PrecisionLists`: given as one, its config dict, or None.
+
+    Args:
+        lists: a `PrecisionLists`, a dict as `get_config()` returns, or None
+            (empty lists).
+        argument: the argument's name, for the error. Defaults to `"lists"`.
+
+    Example:
+    >>> as_precision_lists({"deny_layers": ["head"]}).deny_layers
+    ('head',)
+    """
+    if lists is None:
+        return PrecisionLists()
+    if isinstance(lists, PrecisionLists):
+        return lists
+    if isinstance(lists, Mapping):
+        return PrecisionLists.from_config(dict(lists))
+    raise TypeError(
+        f"`{argument}` must be a `keras_amp_plus.PrecisionLists`, its config "
+        f"dict, or None. Received: {argument}={lists!r}"
+    )

@@ -5,7 +5,7 @@ import os
 
 import keras
 
-from keras_amp_plus._lists.precision_lists import PrecisionLists
+from keras_amp_plus._lists.precision_lists import PrecisionLists, as_precision_lists
 from keras_amp_plus.callbacks import (
     _checks as checks,
 )
@@ -207,7 +207,7 @@ class AMPMonitor(keras.callbacks.Callback):
             trusted_backward_scale=self.trusted_backward_scale,
         )
         # The one owner of the state, the lists and the rule's memory.
-        self._memory = MonitorMemory(checks.as_lists(lists), rule)
+        self._memory = MonitorMemory(as_precision_lists(lists), rule)
         self._session = None
         self._step_cache = None
 
@@ -218,7 +218,7 @@ class AMPMonitor(keras.callbacks.Callback):
 
     @lists.setter
     def lists(self, lists) -> None:
-        self._memory.set_user_lists(checks.as_lists(lists))
+        self._memory.set_user_lists(as_precision_lists(lists))
 
     @property
     def state(self):

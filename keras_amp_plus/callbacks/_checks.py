@@ -8,14 +8,13 @@ engine, list entries naming no layer, a read interval the ring cannot cover.
 
 import logging
 import math
-import numbers
 import os
 import weakref
 
 import numpy as np
 
 from keras_amp_plus import _compat
-from keras_amp_plus._lists.precision_lists import PrecisionLists
+from keras_amp_plus._arguments import is_int, is_real
 from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks._allocator_check import warn_once_if_allocator_unpooled
 from keras_amp_plus.callbacks._event_log import check_writable
@@ -59,18 +58,18 @@ def check_arguments(
             )
     for name, value in counts.items():
         minimum = 1 if name == "deny_threshold" else 0
-        if not _is_int(value) or value < minimum:
+        if not is_int(value) or value < minimum:
             raise ValueError(
                 f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
             )
     if read_every_steps is not None and (
-        not _is_int(read_every_steps) or read_every_steps < 1
+        not is_int(read_every_steps) or read_every_steps < 1
     ):
         raise ValueError(
             "`read_every_steps` must be a positive integer or None. "
             f"Received: read_every_steps={read_every_steps!r}"
         )
-    if not _is_real(trusted_backward_scale) or not (
+    if not is_real(trusted_backward_scale) or not (
         0 < trusted_backward_scale < math.inf
     ):
         raise ValueError(
@@ -79,21 +78,13 @@ def check_arguments(
             f"(1.0 by default). Received: "
             f"trusted_backward_scale={trusted_backward_scale!r}"
         )
-    if not _is_real(evidence_decay) or not 0 <= evidence_decay < 1:
+    if not is_real(evidence_decay) or not 0 <= evidence_decay < 1:
         raise ValueError(
             "`evidence_decay` must be a number in [0, 1): the factor a layer's "
             "accumulated evidence is multiplied by at each epoch end. "
             f"Received: evidence_decay={evidence_decay!r}"
         )
     check_engine_name(engine)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _check_log_dir(log_dir) -> None:
@@ -109,20 +100,6 @@ def _check_log_dir(log_dir) -> None:
             "`log_dir` must be a non-empty path, or None to log to Python "
             f"logging only. Received: log_dir={log_dir!r}"
         )
-
-
-def as_lists(lists) -> PrecisionLists:
-    """Accept PrecisionLists, its config dict, or None."""
-    if lists is None:
-        return PrecisionLists()
-    if isinstance(lists, PrecisionLists):
-        return lists
-    if isinstance(lists, dict):
-        return PrecisionLists.from_config(lists)
-    raise TypeError(
-        "`lists` must be a `keras_amp_plus.PrecisionLists`, its config dict, or "
-        f"None. Received: lists={lists!r}"
-    )
 
 
 def check_model(model) -> None:

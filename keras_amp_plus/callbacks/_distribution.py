@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_amp_plus import _compat
+from keras_amp_plus._arguments import require_model
 from keras_amp_plus.callbacks._attribution import BAD_DATA
 
 
@@ -217,6 +218,7 @@ def prepare_multi_worker_fit(model) -> None:
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     >>> prepare_multi_worker_fit(model)  # one worker here: nothing to do
     """
+    require_model(model, "prepare_multi_worker_fit")
     strategy = model.distribute_strategy
     if not is_multi_worker(strategy):
         return

@@ -33,12 +33,13 @@ import keras
 import tensorflow as tf
 
 from keras_amp_plus import _compat
+from keras_amp_plus._arguments import require_model, require_path
 from keras_amp_plus._lists.list_fields import (
     FIELD_NAMES,
     merge_list_fields,
     op_placements,
 )
-from keras_amp_plus._lists.precision_lists import PrecisionLists
+from keras_amp_plus._lists.precision_lists import PrecisionLists, as_precision_lists
 from keras_amp_plus.engines._base import (
     Engine,
     GlobalStateStack,
@@ -147,7 +148,8 @@ class GrapplerEngine(Engine):
     KEPT_DUMPS = 2  # the current apply and the one before, to compare them
 
     def __init__(self, log_dir: str | None = None, dump_graphs: bool = True):
-        self.log_dir = log_dir
+        require_path(log_dir, "log_dir")
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.dump_graphs = dump_graphs
         self.dump_dir = None
         self._model = None
@@ -209,8 +211,10 @@ class GrapplerEngine(Engine):
 
         Args:
             model: the Keras model the lists refer to.
-            lists: a `keras_amp_plus.PrecisionLists`.
+            lists: a `keras_amp_plus.PrecisionLists` (or its config dict).
         """
+        require_model(model, "GrapplerEngine.apply")
+        lists = as_precision_lists(lists)
         check_onednn_enabled()
         placements = op_placements(model, lists)  # raises before any change
         warn_if_xla(model, self.name)

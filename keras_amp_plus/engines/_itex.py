@@ -27,6 +27,7 @@ import keras
 
 from keras_amp_plus import _compat, _hardware
 from keras_amp_plus import _itex_probe as itex_probe
+from keras_amp_plus._arguments import require_model
 from keras_amp_plus._lists.list_fields import (
     FIELD_NAMES,
     LIST_NAMES,
@@ -34,7 +35,7 @@ from keras_amp_plus._lists.list_fields import (
     op_placements,
     split_op_types,
 )
-from keras_amp_plus._lists.precision_lists import PrecisionLists
+from keras_amp_plus._lists.precision_lists import PrecisionLists, as_precision_lists
 from keras_amp_plus.engines import _itex_log as itex_log
 from keras_amp_plus.engines._base import (
     Engine,
@@ -238,8 +239,10 @@ class ItexEngine(Engine):
 
         Args:
             model: the Keras model the lists refer to.
-            lists: a `keras_amp_plus.PrecisionLists`.
+            lists: a `keras_amp_plus.PrecisionLists` (or its config dict).
         """
+        require_model(model, "ItexEngine.apply")
+        lists = as_precision_lists(lists)
         itex = require_itex()
         placements = with_fused_variants(op_placements(model, lists))
         warn_if_xla(model, self.name)

@@ -13,8 +13,13 @@ they are (float32 / mixed_bfloat16 / mixed_float16 all keep float32 variables).
 import keras
 
 from keras_amp_plus import _compat
+from keras_amp_plus._arguments import require_model
 from keras_amp_plus._lists import layer_names
-from keras_amp_plus._lists.precision_lists import OP_FIELDS, PrecisionLists
+from keras_amp_plus._lists.precision_lists import (
+    OP_FIELDS,
+    PrecisionLists,
+    as_precision_lists,
+)
 from keras_amp_plus.engines._base import Engine, rebuild_functions, remember_engine
 
 DEFAULT_MIXED_POLICY = "mixed_bfloat16"
@@ -80,8 +85,11 @@ class KerasEngine(Engine):
 
         Args:
             model: the Keras model the lists refer to.
-            lists: a `keras_amp_plus.PrecisionLists` without op lists.
+            lists: a `keras_amp_plus.PrecisionLists` without op lists (or its
+                config dict).
         """
+        require_model(model, "KerasEngine.apply")
+        lists = as_precision_lists(lists)
         self.check_lists(lists)
         decisions = layer_names.layer_decisions(
             model, lists.allow_layers, lists.deny_layers

@@ -6,21 +6,13 @@ nothing.
 """
 
 import math
-import numbers
 
 import keras
 
 from keras_amp_plus import _compat
+from keras_amp_plus._arguments import is_int, is_real
 
 ON_MIN_SCALE_MODES = ("raise", "warn", "ignore")
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_inner_optimizer(inner_optimizer) -> None:
@@ -42,14 +34,14 @@ def check_inner_optimizer(inner_optimizer) -> None:
 
 
 def _check_positive_int(name: str, value) -> None:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(
             f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
         )
 
 
 def _check_finite_real(name: str, value) -> None:
-    if not _is_real(value) or not math.isfinite(value):
+    if not is_real(value) or not math.isfinite(value):
         raise ValueError(
             f"`{name}` must be a finite number. Received: {name}={value!r}"
         )

@@ -4,8 +4,8 @@ Everything that differs between Keras 3 (stock TensorFlow >= 2.16, the primary
 stack) and Keras 2.15 (`tf.keras`, the ITEX stack: TensorFlow 2.15 + Intel
 Extension for TensorFlow) lives here, so the rest of the package is written once
 against these names. Code inside a layer's `call` uses `tf.*` ops, which run the
-same under both. The loss scaler's Keras 2 base class is in `_compat_keras2.py`,
-imported from here only on that stack.
+same under both. The loss scaler's Keras 2 base class is built here too
+(`_make_keras2_loss_scale_base`), only on that stack.
 
 When a private Keras or TensorFlow name is unavoidable it is reached from this
 module only, with a comment saying why.
@@ -179,9 +179,6 @@ def itex_module():
     except Exception:
         return None
     return itex
-
-
-__all__ = ["IS_KERAS_3", "KERAS_MAJOR", "tf"]
 
 
 def onednn_enabled() -> bool | None:
@@ -370,7 +367,11 @@ def _make_keras2_loss_scale_base():
                     f"Received: dynamic={dynamic!r}"
                 )
             if kwargs:
-                raise TypeError(f"Unexpected keyword arguments: {sorted(kwargs)}")
+                raise TypeError(
+                    "keras_amp_plus's LossScaleOptimizer takes no other keyword "
+                    "arguments on Keras 2 (optimizer options belong to the inner "
+                    f"optimizer). Received: {sorted(kwargs)}"
+                )
             super().__init__(
                 inner_optimizer,
                 dynamic=True,

@@ -73,11 +73,6 @@ def layer_chains(model) -> dict:
     return chains
 
 
-def layer_chain(model, layer) -> str:
-    """Return the name chain of `layer` inside `model` (see the module doc)."""
-    return layer_chains(model).get(id(layer), layer.name)
-
-
 def _identifiers(layer, chain=None) -> tuple:
     names = [layer.name]
     for alias in (chain, _compat.layer_path(layer)):

@@ -48,8 +48,9 @@ class AdaptationRule:
     """Decide list moves from per-epoch overflow evidence (see module doc).
 
     Args:
-        deny_threshold: events attributed to one layer in one epoch that move it
-            to the deny list. Defaults to `2`.
+        deny_threshold: accumulated evidence against one layer (its attributed
+            events at a trusted scale, decayed by `evidence_decay` at each
+            epoch end) that moves it to the deny list. Defaults to `2`.
         patience: clean epochs a denied layer waits before it is tried in low
             precision again; doubled after each new denial. Defaults to `5`.
         cooldown: epochs after a layer is moved back during which no other layer

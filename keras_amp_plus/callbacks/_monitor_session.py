@@ -113,10 +113,6 @@ class MonitorSession:
         self.memory = memory
         self.engine = checks.check_fit_setup(monitor, model)
         optimizer = model.optimizer
-        if not _compat.optimizer_built(optimizer):
-            # The scaler's variables are read by the wrapped step from its
-            # first trace on; `BackupAndRestore` builds it the same way.
-            optimizer.build(model.trainable_variables)
         capacity = (
             optimizer.event_buffer_size
             if isinstance(optimizer, LossScaleOptimizer)
@@ -124,6 +120,10 @@ class MonitorSession:
         )
         self.read_every = monitor.read_every_steps or capacity
         checks.check_read_interval(self.read_every, model.steps_per_execution, capacity)
+        if not _compat.optimizer_built(optimizer):
+            # The scaler's variables are read by the wrapped step from its
+            # first trace on; `BackupAndRestore` builds it the same way.
+            optimizer.build(model.trainable_variables)
         self.index = LayerIndex(model)
         cache = step_cache
         if cache is not None and cache.fits(model, capacity, monitor):

@@ -47,10 +47,10 @@ def _sum_over_axes(t, axes):
     XLA's CPU backend emits a reduction fused with the elementwise ops that
     feed it as a scalar loop per output element, while a dot becomes a call
     into a vectorized GEMM (its operand written once): sums over trailing
-    axes are a product with a ones column (about 2x faster at every
-    layer-norm shape measured), sums over middle axes one with a ones row
-    per leading index (instance norm channels last: 0.3-0.6x the reductions'
-    time in graph steps at the layer grid's shapes, `_product_means`).
+    axes are a product with a ones column, sums over middle axes one with a
+    ones row per leading index (instance norm channels last,
+    `_product_means`); both faster than the reductions at the layer grid's
+    shapes (benchmarks/README.md).
     Sums over leading axes (the weights' gradients) stay reductions. The
     shapes are read at run time, so unknown (None) dimensions at trace time
     are fine.

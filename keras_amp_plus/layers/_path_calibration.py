@@ -133,9 +133,8 @@ def cached_cells() -> list:
 def _dtype_family(dtype) -> str:
     """float16 inputs race like bfloat16 ones (half-width reads, float32 math).
 
-    Measuring float16 apart was tried, on an Intel Xeon and on an AMD EPYC
-    without AVX512-FP16: its own winners, measured against the formula, ran
-    slower against Keras's layer than bfloat16's did. Where the kernels won
+    Races of float16's own picked winners that ran slower against Keras's
+    layer than bfloat16's (benchmarks/README.md). Where the kernels won
     bfloat16's race narrowly, float16 reads it as `float16_path` says.
     """
     name = tf.as_dtype(dtype).name
@@ -203,11 +202,9 @@ def float16_path(ratios, path) -> str:
 
     float16 inputs borrow bfloat16's races (`_dtype_family`), but XLA's
     float16 code is slower than its bfloat16 code by more than TensorFlow's
-    batch-norm kernel's is: on an Intel Xeon with AVX512-FP16 the kernels
-    ran 1.8-2.0x longer on float16 inputs than on bfloat16 ones, the
-    batch-norm kernel 1.2-1.5x (instance norms of 0.5M to 16.8M elements).
-    So where the kernels won bfloat16's race without beating the batch-norm
-    kernel by `WIN_MARGIN`, float16 takes the batch-norm kernel.
+    batch-norm kernel's is (benchmarks/README.md). So where the kernels won
+    bfloat16's race without beating the batch-norm kernel by `WIN_MARGIN`,
+    float16 takes the batch-norm kernel.
 
     Args:
         ratios: the measured cell's CPU time of each path over the formula's.
@@ -480,10 +477,9 @@ def measure_paths(seconds: float = 30.0, reps: int = 11, passes: int = 2) -> dic
     smallest first, each in steps traced for its batch size and for any
     batch size; then again, `passes` times in all, until `seconds` of wall
     time are spent. A cell's ratios are the geometric means over its passes:
-    on a shared machine one pass's medians moved by up to a quarter (the
-    batch-norm kernel at 0.77x the formula in one pass, 0.96x in the next),
-    a slowdown lasting a whole cell's rounds, which a second pass tens of
-    seconds later rarely meets again. The cells done are cached.
+    on a shared machine a slowdown can last a whole cell's rounds, which a
+    second pass tens of seconds later rarely meets again. The cells done are
+    cached.
 
     Args:
         seconds: wall-time budget. Defaults to `30.0`.
@@ -574,11 +570,6 @@ def _per_sample_applies(shape, dtype, unknown_batch):
 
 
 def write_cells(path, cells):
-    """Write the cells; a read-only disk only costs measuring again."""
+    """Write the cells atomically; a read-only disk only costs measuring again."""
     _loaded.pop(path, None)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as file:
-            json.dump({"tensorflow": tf.__version__, "cells": cells}, file, indent=1)
-    except OSError:
-        pass
+    _hardware.write_json_cache(path, {"tensorflow": tf.__version__, "cells": cells})

@@ -97,8 +97,8 @@ def leading_slice(padded, size):
     """Return `padded[:size]`, whose gradient pads instead of scattering.
 
     The gradient of a plain slice is `StridedSliceGrad`, which fills a zero
-    tensor of the padded size and copies the upstream gradient into it: about
-    4.5x the CPU time of `tf.pad` on a 1.6M-element input. Here it is
+    tensor of the padded size and copies the upstream gradient into it,
+    several times the CPU time of `tf.pad`. Here it is
     `tf.pad` (differentiable again: its own gradient is a slice). TensorFlow
     returns the slice itself as a view, no copy, where it stays aligned
     (`EIGEN_MAX_ALIGN_BYTES`, 64 in the x86 wheels): for a rank-1 tensor,

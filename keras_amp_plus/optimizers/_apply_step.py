@@ -227,7 +227,12 @@ def _check_not_xla_over_replicas() -> None:
 def apply_step(optimizer, grads, trainable_variables=None) -> None:
     """Run one scaler step from replica context (what `apply()` is called in)."""
     if tf.distribute.in_cross_replica_context():
-        raise ValueError("apply() must be called in a replica context.")
+        raise ValueError(
+            "`LossScaleOptimizer.apply()` must be called in a replica context: "
+            "inside `strategy.run(...)` (as Keras's `fit` does), not in the "
+            "strategy's cross-replica scope. Call it from the replica function. "
+            "Received: a call in cross-replica context"
+        )
     _check_not_xla_over_replicas()
     grads = list(grads)
     variables = (

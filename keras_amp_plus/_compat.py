@@ -32,6 +32,17 @@ if KERAS_MAJOR < 2 or (KERAS_MAJOR == 2 and keras.__version__ < "2.15"):
 # takes None (XLA off unless the model asks for it).
 JIT_COMPILE_DEFAULT = "auto" if IS_KERAS_3 else None
 
+# What the rest of the package asks about, rather than the Keras version:
+# `keras.Operation`, to record a function applied to a symbolic KerasTensor;
+HAS_KERAS_OPERATIONS = IS_KERAS_3
+# Keras 3's TF optimizers update each variable with a chain of element-wise
+# kernels, which one nested XLA function fuses (Keras 2's `jit_compile`
+# optimizers compile their own update);
+UPDATES_BENEFIT_FROM_XLA = IS_KERAS_3
+# grappler's remapper fusing `x * sigmoid(x)` into oneDNN's bfloat16 swish
+# kernel, measured and tested on TensorFlow >= 2.16 only.
+ONEDNN_SWISH_FUSION = IS_KERAS_3
+
 
 def check_tensorflow_backend() -> None:
     """Raise a clear error unless Keras runs on the TensorFlow backend."""

@@ -10,8 +10,9 @@ issues 42422 and 45441). Linux lists the extensions in the `flags` line of
 `/proc/cpuinfo`; other systems have no such file, and the features are then
 reported as unknown (`None`) rather than guessed.
 
-`bfloat16_outlook()` is the one verdict the doctor and `AMPMonitor` share:
-"faster", "slower", "no clear difference" or "unknown". Where the hardware
+`keras_amp_plus._bfloat16_outlook.bfloat16_outlook()`, the one verdict the
+doctor and `AMPMonitor` share, builds on these facts: "faster", "slower", "no
+clear difference" or "unknown". Where the hardware
 decides (no bfloat16 instructions, or oneDNN off), the verdict follows the
 hardware and a measurement only gives the figure, so it does not flip between
 runs; elsewhere it follows a matmul probe with a band of no clear difference
@@ -337,77 +338,3 @@ def write_cached_speedup(path: str, speedup: float | None) -> None:
     """Cache a measured bfloat16 speed-up (a failed probe is not cached)."""
     if speedup is not None:
         write_json_cache(path, {"bfloat16_speedup": speedup})
-
-
-def _itex_bfloat16_refusal() -> str | None:
-    """Return why ITEX's bfloat16 kernels cannot run here, or None.
-
-    Only where ITEX imports; the answer comes from a cached subprocess probe.
-    """
-    from keras_amp_plus import _compat
-
-    if _compat.itex_module() is None:
-        return None
-    from keras_amp_plus import _itex_probe
-
-    status = _itex_probe.itex_bfloat16_status()
-    if status["works"]:
-        return None
-    return f"ITEX's bfloat16 kernels abort the process here ({status['reason']})"
-
-
-def bfloat16_outlook(probe: dict | None = None, measure: bool = True) -> dict:
-    """Return the bfloat16 verdict for this machine (see the module docstring).
-
-    Args:
-        probe: a fresh `_matmul_probe.probe_matmul_throughput` result to use
-            (and cache), e.g. the doctor's. Defaults to None: the cached
-            figure, else a short probe when `measure` is True and the
-            hardware leaves any doubt.
-        measure: whether a missing figure may be measured. Defaults to True.
-
-    Returns:
-        `{"verdict", "speedup", "reason", "cpu", "onednn"}`; `reason` is a
-        sentence when the verdict is "slower", else None.
-    """
-    import tensorflow as tf
-
-    from keras_amp_plus import _compat
-
-    facts, onednn = cpu_facts(), _compat.onednn_enabled()
-    itex_refusal = _itex_bfloat16_refusal()
-    if itex_refusal is not None:
-        # With ITEX loaded an in-process bfloat16 MatMul would abort Python.
-        return {
-            "verdict": "slower",
-            "speedup": None,
-            "reason": itex_refusal,
-            "cpu": facts,
-            "onednn": onednn,
-        }
-    path = _probe_cache_path(facts, tf.__version__, onednn)
-    speedup = None
-    if probe is not None:
-        speedup = probe["results"].get("bfloat16", {}).get("speedup_vs_float32")
-        write_cached_speedup(path, speedup)
-    else:
-        speedup = read_cached_speedup(path)
-        fast_hardware = has_any(facts["features"], BFLOAT16_FLAGS) and onednn
-        if speedup is None and measure and not fast_hardware:
-            from keras_amp_plus import _matmul_probe
-
-            quick = _matmul_probe.probe_matmul_throughput(
-                dtypes=("float32", "bfloat16"), **QUICK_PROBE
-            )
-            return bfloat16_outlook(probe=quick, measure=False)
-    verdict = speedup_verdict(speedup, facts["features"], onednn)
-    reason = None
-    if verdict == "slower":
-        reason = slow_bfloat16_reason(facts["features"], onednn, speedup)
-    return {
-        "verdict": verdict,
-        "speedup": speedup,
-        "reason": reason,
-        "cpu": facts,
-        "onednn": onednn,
-    }

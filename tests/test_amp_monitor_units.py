@@ -351,7 +351,9 @@ def test_a_graph_engines_bfloat16_is_named_where_bfloat16_is_slow(
     monkeypatch, caplog, engine, warned
 ):
     slower = {"verdict": "slower", "reason": "bfloat16 is emulated here (test)"}
-    monkeypatch.setattr(hardware_check._hardware, "bfloat16_outlook", lambda: slower)
+    monkeypatch.setattr(
+        hardware_check._bfloat16_outlook, "bfloat16_outlook", lambda: slower
+    )
     monkeypatch.setattr(hardware_check, "_warned", [])
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])  # float32
     with caplog.at_level("WARNING", logger="keras_amp_plus"):
@@ -386,7 +388,9 @@ def test_a_graph_engines_float16_without_a_scaler_is_named(caplog, engine, warne
 
 def test_the_cpus_bfloat16_verdict_is_not_given_for_an_xpu(monkeypatch, caplog):
     slower = {"verdict": "slower", "reason": "bfloat16 is emulated here (test)"}
-    monkeypatch.setattr(hardware_check._hardware, "bfloat16_outlook", lambda: slower)
+    monkeypatch.setattr(
+        hardware_check._bfloat16_outlook, "bfloat16_outlook", lambda: slower
+    )
     monkeypatch.setattr(hardware_check._hardware, "has_xpu", lambda: True)
     monkeypatch.setattr(hardware_check, "_warned", [])
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])

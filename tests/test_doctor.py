@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from keras_amp_plus import _hardware as cpu_features
 from keras_amp_plus import _matmul_probe as matmul_probe
+from keras_amp_plus._bfloat16_outlook import bfloat16_outlook
 from keras_amp_plus.cli import _doctor as doctor
 from keras_amp_plus.cli import _doctor_text as doctor_text
 from keras_amp_plus.cli._recommendation import recommend
@@ -229,8 +230,8 @@ def test_allocator_note_only_where_onednn_is_off_and_it_is_unset(
 def test_outlook_caches_the_probe_figure(tmp_path, monkeypatch):
     monkeypatch.setenv("KERAS_AMP_PLUS_CACHE_DIR", str(tmp_path))
     probe = {"results": {"float32": {}, "bfloat16": {"speedup_vs_float32": 0.42}}}
-    fresh = cpu_features.bfloat16_outlook(probe=probe)
-    cached = cpu_features.bfloat16_outlook(measure=False)
+    fresh = bfloat16_outlook(probe=probe)
+    cached = bfloat16_outlook(measure=False)
     assert fresh["speedup"] == cached["speedup"] == 0.42
     assert len(list(tmp_path.glob("bfloat16_probe_*.json"))) == 1
     assert cached["verdict"] == "slower"  # 0.42 <= 0.87, whatever the CPU

@@ -21,6 +21,7 @@ RANKS = (
     ("keras_amp_plus._hardware", 0),
     ("keras_amp_plus._matmul_probe", 0),
     ("keras_amp_plus._itex_probe", 0),
+    ("keras_amp_plus._bfloat16_outlook", 0.5),
     ("keras_amp_plus._lists", 1),
     ("keras_amp_plus.layers", 2),
     ("keras_amp_plus.optimizers", 2),

@@ -3,13 +3,13 @@
 On CPUs without AMX-BF16/AVX512-BF16 (or with oneDNN off) TensorFlow emulates
 bfloat16 and `mixed_bfloat16` trains slower than float32. The check is cheap:
 the CPU flags decide, and the measured figure comes from the on-disk cache of
-`keras_amp_plus._hardware.bfloat16_outlook` (a short probe runs once per
+`keras_amp_plus._bfloat16_outlook.bfloat16_outlook` (a short probe runs once per
 machine where no figure is cached yet, never once per `fit`).
 """
 
 import logging
 
-from keras_amp_plus import _hardware
+from keras_amp_plus import _bfloat16_outlook, _hardware
 from keras_amp_plus._lists import layer_names
 
 logger = logging.getLogger("keras_amp_plus")
@@ -56,7 +56,7 @@ def warn_once_if_bfloat16_is_slow(model, engine=None) -> None:
         return
     if _hardware.has_xpu():
         return  # the verdict is the CPU's; an Intel XPU computes instead
-    outlook = _hardware.bfloat16_outlook()
+    outlook = _bfloat16_outlook.bfloat16_outlook()
     if outlook["verdict"] != "slower":
         return
     _warned.append(True)

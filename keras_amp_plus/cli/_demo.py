@@ -28,7 +28,7 @@ import keras
 import numpy as np
 
 import keras_amp_plus as kap
-from keras_amp_plus import _hardware
+from keras_amp_plus import _bfloat16_outlook, _compat
 from keras_amp_plus.cli import _recommendation as recommendation
 
 SEQUENCE_LENGTH = 32
@@ -92,8 +92,8 @@ def build_model(policy: str, ours: bool, blocks: int = 2) -> keras.Model:
         if ours
         else (lambda name: keras.layers.Activation("swish", name=name))
     )
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(policy)
+    previous = _compat.global_policy()
+    _compat.set_global_policy(policy)
     try:
         keras.utils.set_random_seed(0)
         inputs = keras.Input((SEQUENCE_LENGTH, FEATURES), name="readings")
@@ -111,7 +111,7 @@ def build_model(policy: str, ours: bool, blocks: int = 2) -> keras.Model:
         # float32 logits: the softmax cross-entropy is computed in float32.
         outputs = keras.layers.Dense(CLASSES, dtype="float32", name="logits")(x)
     finally:
-        keras.config.set_dtype_policy(previous)
+        _compat.set_global_policy(previous)
     return keras.Model(inputs, outputs, name=f"demo_{policy}")
 
 
@@ -140,11 +140,11 @@ class StepTimer(keras.callbacks.Callback):
 def bfloat16_advice() -> dict:
     """Return doctor's dtype recommendation from the cached bfloat16 check.
 
-    `keras_amp_plus._hardware.bfloat16_outlook` is the check doctor and
+    `keras_amp_plus._bfloat16_outlook.bfloat16_outlook` is the check doctor and
     `AMPMonitor` share: CPU flags and oneDNN, and a short matmul probe (run
     once per machine, then cached on disk) where the hardware leaves doubt.
     """
-    outlook = _hardware.bfloat16_outlook()
+    outlook = _bfloat16_outlook.bfloat16_outlook()
     return recommendation.recommend(
         {"bfloat16": outlook["speedup"]},
         features=outlook["cpu"]["features"],

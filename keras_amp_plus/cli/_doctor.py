@@ -14,7 +14,7 @@ import os
 import platform
 import sys
 
-from keras_amp_plus import _hardware
+from keras_amp_plus import _bfloat16_outlook, _hardware
 from keras_amp_plus.cli import (
     _doctor_text as doctor_text,
 )
@@ -297,7 +297,7 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
     """Collect everything the doctor reports, including the recommendation.
 
     The probe's bfloat16 figure is cached on disk for `AMPMonitor`'s check
-    (`keras_amp_plus._hardware.bfloat16_outlook`), and so are the layers'
+    (`keras_amp_plus._bfloat16_outlook.bfloat16_outlook`), and so are the layers'
     measured paths. The jit probe trains under the policy recommended.
 
     Args:
@@ -328,7 +328,7 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
             probe_seconds, probe_size, dtypes=probe_dtypes(stack["itex"])
         ),
     }
-    _hardware.bfloat16_outlook(probe=facts["probe"])  # caches the figure
+    _bfloat16_outlook.bfloat16_outlook(probe=facts["probe"])  # caches the figure
     speedups = {
         dtype: result.get("speedup_vs_float32")
         for dtype, result in facts["probe"]["results"].items()

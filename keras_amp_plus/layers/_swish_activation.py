@@ -99,7 +99,7 @@ def _onednn_forward_applies(x, beta, with_beta_grad, dtypes=(tf.bfloat16,)) -> b
         and tf.inside_function()
         and remapper_on
         and grappler_on
-        and _compat.IS_KERAS_3
+        and _compat.ONEDNN_SWISH_FUSION
         and bool(_compat.onednn_enabled())
     )
 
@@ -406,7 +406,7 @@ def swish(x, beta=1.0):
     if _compat.is_keras_tensor(x):
         # Functional model building: record an operation, as Keras's own
         # activations do, which runs this function on real tensors later.
-        if _compat.IS_KERAS_3:
+        if _compat.HAS_KERAS_OPERATIONS:
             return _SwishOperation(beta)(x)
         # tf.keras 2 wraps TF ops applied to its KerasTensors in layers of
         # their own, but not a custom gradient: the layer, in x's dtype.
@@ -433,7 +433,7 @@ def _unique_name(prefix: str) -> str:
     return prefix if uid == 1 else f"{prefix}_{uid - 1}"
 
 
-if _compat.IS_KERAS_3:  # `keras.Operation` is Keras 3 only
+if _compat.HAS_KERAS_OPERATIONS:
     # Registered so that a functional model saved with it loads again; under
     # a name of its own, which saved files keep.
     @keras.saving.register_keras_serializable(

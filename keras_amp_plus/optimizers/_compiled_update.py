@@ -28,7 +28,7 @@ MIN_ELEMENTS = 1 << 17
 def can_compile_update(variables) -> bool:
     """Return True when updating `variables` may run as a nested XLA function."""
     return (
-        _compat.IS_KERAS_3
+        _compat.UPDATES_BENEFIT_FROM_XLA
         and tf.inside_function()
         and not tf.distribute.has_strategy()
         and not _compat.in_xla_compiled_function()

@@ -75,9 +75,10 @@ class AMPMonitor(keras.callbacks.Callback):
     oneDNN off, drops NaNs). With Keras's own scaler events come from scale
     changes (forward ones still attributed); with no scaler (bfloat16) the
     monitor watches for Inf/NaN losses and recommends
-    `LossScaleOptimizer.guard`. With `adapt=True` the rule of
-    `keras_amp_plus.callbacks._adaptation` moves layers between lists at epoch
-    end, through the engine.
+    `LossScaleOptimizer.guard`. With `adapt=True`, at each epoch end, a layer
+    whose accumulated evidence reaches `deny_threshold` moves to the deny
+    list, and a denied layer moves back after `patience` clean epochs (see
+    the arguments), through the engine.
 
     During `fit` only, the model's `train_step` and `compute_loss` are wrapped
     on the instance (restored in `on_train_end`). At each epoch end the monitor
@@ -102,8 +103,7 @@ class AMPMonitor(keras.callbacks.Callback):
         engine: "auto", "keras", "grappler", "itex" or an Engine. "auto"
             never turns on a precision you did not ask for: the layer engine
             `keras`, or a graph engine when `lists` holds op types (or, for a
-            float32 model, when a graph rewrite is already on; see
-            `keras_amp_plus.engines._resolve`). A
+            float32 model, when a graph rewrite is already on). A
             graph engine that cannot work here (grappler with oneDNN off)
             raises in `on_train_begin`. A name is resolved at every `fit`
             (a reused monitor may meet another model or other lists); from

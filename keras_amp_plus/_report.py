@@ -289,6 +289,7 @@ def precision_report(
 
     Example:
     >>> import keras
+    >>> from keras_amp_plus import precision_report
     >>> model = keras.Sequential(
     ...     [keras.Input((4,)), keras.layers.Dense(2, name="out")], name="m"
     ... )

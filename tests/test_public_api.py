@@ -3,6 +3,7 @@
 import ast
 import doctest
 import importlib
+import inspect
 import pathlib
 
 import pytest
@@ -174,6 +175,34 @@ def test_docstring_examples(module_name):
         module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
     )
     assert result.failed == 0, f"{result.failed} docstring example(s) failed"
+
+
+def _public_objects():
+    for package, names in PUBLIC_NAMES.items():
+        module = importlib.import_module(package)
+        for name in names:
+            value = getattr(module, name)
+            if inspect.isclass(value) or inspect.isfunction(value):
+                yield f"{package}.{name}", value
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[pytest.mark.onednn] if "Grappler" in name else [])
+        for name, _ in _public_objects()
+    ],
+)
+def test_public_examples_run_as_a_user_pastes_them(name):
+    # In a namespace of their own, not their module's: every name they use
+    # is imported in the example itself.
+    value = dict(_public_objects())[name]
+    runner = doctest.DocTestRunner(
+        optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    )
+    for test in doctest.DocTestFinder().find(value, name=name, globs={}):
+        test.globs = {}
+        assert runner.run(test).failed == 0, f"{test.name} needs its module"
 
 
 def test_docstring_examples_are_found():

@@ -193,6 +193,7 @@ def op_types_for_layer(layer) -> tuple:
 
     Example:
     >>> import keras
+    >>> from keras_amp_plus.engines import op_types_for_layer
     >>> op_types_for_layer(keras.layers.Dense(2, activation="softmax"))
     ('MatMul', 'BatchMatMulV2', 'BiasAdd', 'BiasAddGrad', 'Softmax')
     """

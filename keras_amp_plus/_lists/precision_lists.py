@@ -51,6 +51,7 @@ class PrecisionLists:
         deny_ops: op types kept in float32. Defaults to `()`.
 
     Example:
+    >>> from keras_amp_plus import PrecisionLists
     >>> lists = PrecisionLists(deny_layers=("LayerNormalization",))
     >>> lists = lists.move_ops(["Softmax"], to="deny")
     >>> lists.deny_ops
@@ -123,6 +124,7 @@ class PrecisionLists:
             to: "allow" or "deny".
 
         Example:
+        >>> from keras_amp_plus import PrecisionLists
         >>> lists = PrecisionLists(allow_layers=("head",))
         >>> lists.move_layers("head", to="deny").deny_layers
         ('head',)
@@ -275,6 +277,7 @@ class PrecisionLists:
             A `PrecisionLists` with op lists only.
 
         Example:
+        >>> from keras_amp_plus import PrecisionLists
         >>> env = {"TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD": "Mean"}
         >>> PrecisionLists.from_env(env).deny_ops
         ('Mean',)

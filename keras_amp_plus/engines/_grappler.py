@@ -132,8 +132,10 @@ class GrapplerEngine(Engine):
             `precision_report`). Defaults to True.
 
     Example:
+    >>> import os
     >>> import keras
     >>> from keras_amp_plus import PrecisionLists
+    >>> from keras_amp_plus.engines import GrapplerEngine
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     >>> model.compile("sgd", "mse")
     >>> engine = GrapplerEngine()

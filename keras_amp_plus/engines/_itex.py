@@ -197,6 +197,7 @@ class ItexEngine(Engine):
             `keras_amp_plus.optimizers.LossScaleOptimizer`).
 
     Example:
+    >>> from keras_amp_plus.engines import ItexEngine
     >>> engine = ItexEngine(data_type="BFLOAT16")
     >>> engine.name, engine.level, engine.data_type
     ('itex', 'op', 'BFLOAT16')

@@ -52,6 +52,7 @@ class KerasEngine(Engine):
     Example:
     >>> import keras
     >>> from keras_amp_plus import PrecisionLists
+    >>> from keras_amp_plus.engines import KerasEngine
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     >>> KerasEngine().apply(model, PrecisionLists(allow_layers=("Dense",)))
     >>> model.layers[0].compute_dtype

@@ -104,6 +104,7 @@ def resolve_engine(engine: str | Engine, model: keras.Model, lists=None) -> Engi
 
     Example:
     >>> import keras
+    >>> from keras_amp_plus.engines import resolve_engine
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     >>> resolve_engine("auto", model).name
     'keras'

@@ -270,3 +270,16 @@ def test_fit_with_jit_compile_trains_as_keras_does_by_either_form(
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-4)
     for mine, keras_weight in zip(ours[1], theirs[1], strict=True):
         np.testing.assert_allclose(mine, keras_weight, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 6, 4), (2, 0, 3, 4)], ids=["batch", "rows"])
+def test_an_empty_input_inside_xla_with_cached_cells(monkeypatch, shape):
+    # GroupNormalization(groups=-1) gives an empty output; the choice between
+    # products and formula must not divide by the input's zero size.
+    cell = {"dtype": "float32", "elements": 2**20, "ratio": 0.5}
+    monkeypatch.setattr(_xla_sums_calibration, "cached_cells", lambda: [cell])
+    layer = layers.InstanceNormalization()
+    layer.build((None, None, None, 4))
+
+    outputs = tf.function(layer, jit_compile=True)(tf.zeros(shape))
+    assert outputs.shape == shape

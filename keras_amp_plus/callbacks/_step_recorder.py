@@ -46,7 +46,11 @@ import tensorflow as tf
 from keras_amp_plus import _compat
 from keras_amp_plus._lists.layer_names import candidate_layers
 from keras_amp_plus.callbacks import _distribution as distribution
-from keras_amp_plus.optimizers import LossScaleOptimizer, _overflow_record
+from keras_amp_plus.optimizers import (
+    LossScaleOptimizer,
+    _overflow_record,
+    _overflow_records,
+)
 from keras_amp_plus.optimizers._overflow_record import OverflowRecord
 
 SCALER_KAP = "keras_amp_plus"
@@ -543,9 +547,7 @@ class StepRecorder:
         never saw (a custom `train_step` without `scale_loss`) counts as not
         finite, so that step's batch is kept for the replay.
         """
-        optimizer = self.optimizer
-        slot = (optimizer.overflow_count - 1) % optimizer.event_buffer_size
-        state = tf.gather(tf.convert_to_tensor(optimizer.event_loss_states), slot)
+        state = _overflow_records.newest_loss_state(self.optimizer)
         return tf.not_equal(state, _overflow_record.LOSS_FINITE)
 
     def _at_trusted_scale(self, scale_after=None):

@@ -91,8 +91,8 @@ def products_win(dtype, elements) -> bool:
     """
     name = tf.as_dtype(dtype).name
     cells = [cell for cell in cached_cells() if cell["dtype"] == name]
-    if elements is None or not cells:
-        return True
+    if elements is None or not cells or elements < 1:
+        return True  # an empty input: nothing to sum either way
     nearest = min(cells, key=lambda cell: abs(math.log2(cell["elements"] / elements)))
     if abs(math.log2(nearest["elements"] / elements)) > NEAREST_OCTAVES:
         return True

@@ -110,6 +110,23 @@ def _current_graph():
     return tf.compat.v1.get_default_graph()
 
 
+def _ring_slot(count, optimizer):
+    """Return the ring slot of the `count`-th event (1-based)."""
+    return (count - 1) % optimizer.event_buffer_size
+
+
+def newest_loss_state(optimizer):
+    """Return the `LossWatch` code of the newest event's loss (graph-safe).
+
+    Read in the skipped-step branch, just after `record_skipped_step` wrote it.
+
+    Args:
+        optimizer: the built `LossScaleOptimizer`, with at least one event.
+    """
+    slot = _ring_slot(optimizer.overflow_count, optimizer)
+    return tf.gather(tf.convert_to_tensor(optimizer.event_loss_states), slot)
+
+
 def record_skipped_step(
     optimizer, step, nonfinite_mask, has_nan, scale_before, scale_after, loss_state
 ):
@@ -128,7 +145,7 @@ def record_skipped_step(
     mask = tf.cast(nonfinite_mask, tf.int64)
     nan = tf.cast(has_nan, tf.int64)
     count = optimizer.overflow_count + 1
-    slot = tf.reshape((count - 1) % optimizer.event_buffer_size, (1, 1))
+    slot = tf.reshape(_ring_slot(count, optimizer), (1, 1))
 
     optimizer.overflow_count.assign(count)
     optimizer.nan_steps.assign_add(nan)

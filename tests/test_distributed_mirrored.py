@@ -163,3 +163,35 @@ def test_jit_compile_over_two_local_replicas_raises_before_any_update():
         assert results[case]["unchanged"]
     # Without XLA the same setup trains.
     assert results["monitor_no_jit"] == {"error": None, "unchanged": False}
+
+
+def test_central_storage_is_refused_before_the_first_step():
+    # Its per-replica variables become aggregating ones, which a step's
+    # `tf.cond` cannot update: a clear error first, the weights untouched.
+    results = run_on_two_cpus(
+        """
+        import numpy as np
+        import keras
+        from keras_amp_plus.callbacks import AMPMonitor
+        from keras_amp_plus.optimizers import LossScaleOptimizer
+
+        central = tf.distribute.experimental.CentralStorageStrategy()
+        with central.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(LossScaleOptimizer.guard(keras.optimizers.SGD()), "mse")
+        x, y = np.ones((16, 4), "float32"), np.ones((16, 1), "float32")
+        before = [w.numpy().copy() for w in model.weights]
+        try:
+            model.fit(x, y, batch_size=8, verbose=0, callbacks=[AMPMonitor()])
+            error = None
+        except ValueError as caught:
+            error = str(caught)
+        after = [w.numpy() for w in model.weights]
+        unchanged = all(np.array_equal(b, a) for b, a in zip(before, after))
+        model.fit(x, y, batch_size=8, verbose=0)  # the scaler alone trains there
+        print(json.dumps({"error": error, "unchanged": unchanged}))
+        """
+    )
+    assert results["error"].startswith("AMPMonitor cannot train under")
+    assert "Received: strategy=CentralStorageStrategy" in results["error"]
+    assert results["unchanged"]

@@ -143,6 +143,7 @@ def engine_for_fit(monitor, model):
 def check_fit_setup(monitor, model):
     """Check the model, log_dir, engine and lists; return the resolved engine."""
     check_model(model)
+    distribution.check_strategy(model)
     distribution.check_jit_compile(model)
     if monitor.log_dir and distribution.is_chief(model.distribute_strategy):
         check_writable(monitor.log_dir)  # other workers write nothing there

@@ -172,6 +172,44 @@ def jit_compile_problem(strategy) -> str | None:
     return None
 
 
+def _unsupported_strategies() -> tuple:
+    """Return the tf.distribute strategies whose variables the monitor cannot keep.
+
+    Its records are per-replica variables written inside the step; under a
+    strategy that keeps variables on another device (central storage, a
+    parameter server, a TPU) they become aggregating variables whose
+    updates need a `merge_call` a step's `tf.cond` cannot make.
+    """
+    names = ("CentralStorageStrategy", "ParameterServerStrategy", "TPUStrategy")
+    found = []
+    for namespace in (tf.distribute, tf.distribute.experimental):
+        found += [getattr(namespace, n) for n in names if hasattr(namespace, n)]
+    return tuple(found)
+
+
+def check_strategy(model) -> None:
+    """Raise a clear error under a strategy the monitor cannot train with.
+
+    Raised in `on_train_begin`, before any step. The monitor runs with no
+    strategy, `OneDeviceStrategy`, `MirroredStrategy` and
+    `MultiWorkerMirroredStrategy`.
+
+    Args:
+        model: the compiled model.
+    """
+    strategy = model.distribute_strategy
+    if isinstance(strategy, _unsupported_strategies()):
+        raise ValueError(
+            f"AMPMonitor cannot train under `{type(strategy).__name__}`: it "
+            "records each step's events in per-replica variables, which this "
+            "strategy keeps on another device, where a step cannot update "
+            "them. Use `tf.distribute.MirroredStrategy` (one machine) or "
+            "`tf.distribute.MultiWorkerMirroredStrategy` (several), or train "
+            "without AMPMonitor (our `LossScaleOptimizer` works there). "
+            f"Received: strategy={type(strategy).__name__}"
+        )
+
+
 def check_jit_compile(model) -> None:
     """Raise a clear error when the model's `jit_compile=True` cannot train here.
 

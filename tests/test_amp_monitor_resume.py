@@ -1,5 +1,6 @@
 """Nothing lost: BackupAndRestore resumes, model.save/load_model, get_config."""
 
+import json
 import os
 
 import keras
@@ -301,3 +302,19 @@ def test_a_fit_stopped_in_its_first_epoch_leaves_the_epoch_numbers(tmp_path):
         1
     ] * STEPS_PER_EPOCH + [2] * STEPS_PER_EPOCH
     assert monitor.state.epoch_offset == 2
+
+
+def test_a_run_killed_in_its_first_epoch_is_not_numbered_again(tmp_path):
+    # A killed process saves no state, but its lines are in the events file:
+    # the job restarted (nothing for BackupAndRestore to resume) is a new run.
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    killed = {"type": "overflow", "run": 1, "epoch": 0, "step": 1, "layers": []}
+    (log_dir / "amp_events.jsonl").write_text(json.dumps(killed) + "\n")
+    model = overflow_model("mixed_float16", on_min_scale="ignore")
+    monitor = AMPMonitor(str(log_dir), adapt=False)
+    train(model, [monitor], epochs=1)
+    assert monitor.state.run == 2
+    records = read_jsonl(str(log_dir))
+    assert records[0] == killed
+    assert {r["run"] for r in records[1:]} == {2}

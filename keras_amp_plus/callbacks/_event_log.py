@@ -50,6 +50,31 @@ def check_writable(log_dir: str) -> None:
             )
 
 
+def highest_run(log_dir: str | None) -> int:
+    """Return the highest run number in `log_dir`'s events file (0 when none).
+
+    A run killed before its first epoch ended saved no state, but its lines
+    are in the file: the next run must be numbered after them.
+
+    Example:
+    >>> highest_run(None)
+    0
+    """
+    path = os.path.join(log_dir, EVENTS_FILE) if log_dir else None
+    if path is None or not tf.io.gfile.exists(path):
+        return 0
+    highest = 0
+    with tf.io.gfile.GFile(path) as f:
+        for line in f:
+            try:
+                run = json.loads(line).get("run", 0)
+            except (ValueError, AttributeError):
+                continue  # a line cut short by a crash
+            if isinstance(run, int):
+                highest = max(highest, run)
+    return highest
+
+
 class EventLog:
     """Writes overflow events and list changes to TensorBoard and JSON lines.
 

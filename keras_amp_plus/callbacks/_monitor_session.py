@@ -18,7 +18,11 @@ from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks import _state as state_module
 from keras_amp_plus.callbacks._attribution import LayerIndex
 from keras_amp_plus.callbacks._event_collector import EventCollector
-from keras_amp_plus.callbacks._event_log import EventLog, changes_markdown
+from keras_amp_plus.callbacks._event_log import (
+    EventLog,
+    changes_markdown,
+    highest_run,
+)
 from keras_amp_plus.callbacks._list_editor import ListEditor
 from keras_amp_plus.callbacks._step_recorder import (
     SCALER_KAP,
@@ -217,6 +221,8 @@ class MonitorSession:
             continuing = False
             if snapshots:
                 self._continue_after(state, snapshots[max(snapshots)], epoch)
+            # After any run whose lines are there, saved state or not.
+            state.run = max(state.run, highest_run(self.monitor.log_dir) + 1)
             snapshots = {}  # the first save replaces the earlier runs' file
         self.snapshots = {e: s.to_dict() for e, s in snapshots.items()}
         return state, continuing

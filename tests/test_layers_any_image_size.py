@@ -17,6 +17,8 @@ from conftest import (
     float_inputs,
     normalization_reference,
     normalization_step,
+    penalty_gradients,
+    second_order_reference,
     set_random_weights,
     use_policy,
 )
@@ -118,24 +120,27 @@ def test_each_image_size_runs_its_path_in_one_trace(policy_name, batch, monkeypa
     assert step.experimental_get_tracing_count() == 1
 
 
-def test_a_second_order_gradient_through_the_switch_raises():
-    # As for any batch size (`test_layers_paths`): the switch's gradient is
-    # differentiable once, and a penalty through it must not vanish quietly.
+def test_a_second_order_gradient_through_the_switch_matches_float64():
+    # As for any batch size (`test_layers_paths`): a gradient penalty through
+    # the switch by image size, tapes inside the step as a `train_step`
+    # takes them.
     use_policy("float32")
     layer = layers.InstanceNormalization()
     layer.build((None, None, None, CHANNELS))
     spec = tf.TensorSpec((None, None, None, CHANNELS), tf.float32)
-    step = tf.function(lambda x: layer(x), input_signature=[spec])
-    x = tf.random.stateless_normal((2, 4, 4, CHANNELS), (1, 2))
-    # It raises when the outer tape records the gradient.
-    with pytest.raises(ValueError, match="cannot be differentiated again"):
-        with tf.GradientTape() as outer:
-            outer.watch(x)
-            with tf.GradientTape() as inner:
-                inner.watch(x)
-                outputs = step(x)
-            penalty = tf.reduce_sum(inner.gradient(outputs, x) ** 2)
-        outer.gradient(penalty, x)
+    step = tf.function(
+        lambda *args: penalty_gradients(layer, *args), input_signature=[spec] * 3
+    )
+    ones, zeros = np.ones((1, 1, 1, CHANNELS)), np.zeros((1, 1, 1, CHANNELS))
+    for shape in ((2, 4, 4, CHANNELS), (1, 6, 5, CHANNELS)):
+        x, upstream, x64, upstream64 = float_inputs(shape, 0.0, "float32")
+        direction = tf.random.stateless_normal(shape, (1, 2))
+        _, second = step(x, upstream, direction)
+        expected = second_order_reference(
+            x64, upstream64, as_float64(direction), ones, zeros, (1, 2)
+        )
+        atol = 1e-3 * np.abs(expected).max()
+        np.testing.assert_allclose(as_float64(second), expected, rtol=1e-3, atol=atol)
 
 
 def _fully_convolutional(normalization):

@@ -238,26 +238,36 @@ def test_one_path_differentiates_twice_like_float64(path, jit_compile, monkeypat
     np.testing.assert_allclose(as_float64(second), expected, rtol=1e-3, atol=atol)
 
 
-def test_the_switch_refuses_a_second_order_gradient_loudly(monkeypatch):
-    # TensorFlow differentiates a switch inside a gradient function to zeros:
-    # a penalty through the run-time switch would quietly vanish, so it
-    # raises when the tape builds it; the first order, tapes outside the
-    # step, still matches float64.
+@pytest.mark.parametrize("tapes", ["outside_the_step", "inside_the_step"])
+def test_a_second_order_gradient_through_the_switch_matches_float64(tapes, monkeypatch):
+    # A gradient penalty (WGAN-GP, R1) through the run-time switch: with the
+    # tapes around the step, or inside it as a custom `train_step` takes
+    # them (`fit` on a pipeline without `drop_remainder`). TensorFlow
+    # differentiates a switch inside a gradient function to zeros; the
+    # switch's own second-order gradient must not vanish.
     monkeypatch.delenv(_path_choice.PATH_VARIABLE, raising=False)
     formula, batch_norm = _path_choice.KERAS_FORMULA, _path_choice.BATCH_NORM
     _measure_by_size(monkeypatch, formula, batch_norm, 128)
     use_policy("float32")
     step, gamma, beta = _instance_norm_any_batch((4, 4, 4))
+    spec = tf.TensorSpec((None, 4, 4, 4), tf.float32)
+    in_step = tf.function(
+        lambda *args: penalty_gradients(step, *args), input_signature=[spec] * 3
+    )
     for batch in (1, 3):  # 64 elements a sample: the formula, then batch norm
         x, upstream, x64, upstream64 = float_inputs((batch, *(4, 4, 4)), 0.0, "float32")
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            outputs = step(x)
-        x_grad = tape.gradient(outputs, x, output_gradients=upstream)
+        direction = tf.random.stateless_normal(x.shape, (1, batch))
+        if tapes == "inside_the_step":
+            x_grad, second = in_step(x, upstream, direction)
+        else:
+            x_grad, second = penalty_gradients(step, x, upstream, direction)
         ref = normalization_reference(x64, upstream64, gamma, beta, 1e-3, (1, 2))
         assert_close(x_grad, ref[1], "float32", "x gradient")
-        with pytest.raises(ValueError, match="cannot be differentiated again"):
-            penalty_gradients(step, x, upstream, tf.ones_like(x))
+        expected = second_order_reference(
+            x64, upstream64, as_float64(direction), gamma, beta, (1, 2)
+        )
+        atol = 1e-3 * np.abs(expected).max()
+        np.testing.assert_allclose(as_float64(second), expected, rtol=1e-3, atol=atol)
 
 
 def _conv_classifier(normalization):

@@ -238,7 +238,13 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
         run = _BACKWARD_BY_PATH[path]
         return run(upstream, x, gamma, saved, epsilon, stat_axes)
 
-    return switch(x, gamma, beta, paths, forward, backward)
+    def reference(x, gamma, beta):
+        # Plain ops, differentiated twice by autodiff (second-order gradients).
+        return _keras_formula.normalize_by_reductions(
+            x, gamma, beta, epsilon, stat_axes, output_dtype
+        )
+
+    return switch(x, gamma, beta, paths, forward, backward, reference)
 
 
 def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):

@@ -13,9 +13,12 @@ cost 0.1-0.4 ms a step on 2-core CPUs (`benchmarks/batch_switch.py`), a
 tenth of a small instance norm's step. Here the switch carries its own
 gradient instead: each path is a forward that returns its output and three
 tensors its backward reads (`saved`), and the backward switches between the
-paths' backwards with the same index. That gradient is differentiable once:
-TensorFlow differentiated a switch inside a gradient function to zeros, so a
-second-order gradient through the switch (a gradient penalty) raises instead.
+paths' backwards with the same index. Differentiated again (nested tapes,
+as a gradient penalty takes them), the backward switch is one op whose
+gradient is autodiff of a `reference` formula's gradient: TensorFlow
+differentiated a switch inside a gradient function to zeros. Every path
+computes the same function, so any twice-differentiable one gives the
+second-order gradient.
 """
 
 import tensorflow as tf
@@ -23,7 +26,7 @@ import tensorflow as tf
 from keras_amp_plus.layers import _path_choice
 
 
-def switch_on_batch_size(x, gamma, beta, paths, forward, backward):
+def switch_on_batch_size(x, gamma, beta, paths, forward, backward, reference=None):
     """Normalize `x` by the path of its batch size, with an explicit gradient.
 
     Args:
@@ -36,6 +39,9 @@ def switch_on_batch_size(x, gamma, beta, paths, forward, backward):
             path's backward reads.
         backward: `backward(path, upstream, x, gamma, saved) -> (x_grad,
             gamma_grad, beta_grad)`.
+        reference: `reference(x, gamma, beta) -> outputs`, the same function
+            by ops autodiff differentiates twice, for second-order gradients.
+            Defaults to None (a second-order gradient raises).
 
     Returns:
         The normalized `x`, differentiable w.r.t. `x`, `gamma` and `beta`.
@@ -62,10 +68,12 @@ def switch_on_batch_size(x, gamma, beta, paths, forward, backward):
         batch = tf.shape(x, out_type=tf.int64)[0]
         return tf.gather(tf.constant(table), _count_reached(firsts, batch))
 
-    return _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward)
+    return _switch(
+        x, gamma, beta, distinct, branch_of, paths, (forward, backward, reference)
+    )
 
 
-def switch_on_sample_size(x, gamma, beta, paths, forward, backward):
+def switch_on_sample_size(x, gamma, beta, paths, forward, backward, reference=None):
     """Normalize `x` by the path of its sample size and its size.
 
     Args:
@@ -77,6 +85,7 @@ def switch_on_sample_size(x, gamma, beta, paths, forward, backward):
             pairs by the input's number of elements.
         forward: as in `switch_on_batch_size`.
         backward: as in `switch_on_batch_size`.
+        reference: as in `switch_on_batch_size`. Defaults to None.
 
     Returns:
         The normalized `x`, differentiable w.r.t. `x`, `gamma` and `beta`.
@@ -106,7 +115,9 @@ def switch_on_sample_size(x, gamma, beta, paths, forward, backward):
         column = _count_reached(firsts, dims[0] * sample)
         return tf.gather(tf.constant(table), row * (len(firsts) + 1) + column)
 
-    return _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward)
+    return _switch(
+        x, gamma, beta, distinct, branch_of, paths, (forward, backward, reference)
+    )
 
 
 def _branch_table(paths, distinct):
@@ -142,8 +153,12 @@ def _path_at(runs, size):
     return [path for first, path in runs if first <= size][-1]
 
 
-def _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward):
-    """Normalize `x` by `distinct[branch_of(x)]`, with an explicit gradient."""
+def _switch(x, gamma, beta, distinct, branch_of, paths, functions):
+    """Normalize `x` by `distinct[branch_of(x)]`, with an explicit gradient.
+
+    `functions` is `(forward, backward, reference)`, as the switches take them.
+    """
+    forward, backward, reference = functions
 
     @tf.custom_gradient
     def switched(x, gamma, beta):
@@ -159,8 +174,10 @@ def _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward):
         outputs, saved = results[0], tuple(results[1:])
         outputs.set_shape(x.shape)
 
+        # The backward's inputs are explicit: differentiated again, the
+        # gradient reaches x, gamma and beta, not only the upstream gradient.
         @tf.custom_gradient
-        def grad(upstream):
+        def switched_backward(upstream, x, gamma, beta):
             grads = tf.switch_case(
                 branch,
                 [
@@ -172,7 +189,17 @@ def _switch(x, gamma, beta, distinct, branch_of, paths, forward, backward):
             )
             for gradient, like in zip(grads, (x, gamma, beta), strict=True):
                 gradient.set_shape(like.shape)
-            return tuple(grads), _refuse_second_order(paths)
+            if reference is None:
+                return tuple(grads), _refuse_second_order(paths)
+            inputs = (upstream, x, gamma, beta)
+            return tuple(grads), _second_order_of(reference, inputs, grads)
+
+        def grad(upstream):
+            # Taken into the graph the gradient is built in (a tape around a
+            # `tf.function` builds it in a function of its own), so that the
+            # tape differentiating it again finds them there.
+            here = [tf.identity(t) for t in (x, gamma, beta)]
+            return switched_backward(upstream, *here)
 
         return outputs, grad
 
@@ -230,13 +257,14 @@ def _from_rank(tensor, static_shape):
         return tf.reshape(tensor, [-1])
     if tensor.shape == static_shape:
         return tensor
-    if static_shape.rank < tensor.shape.rank:
-        leading = tensor.shape.rank - static_shape.rank
-        tensor = tf.squeeze(tensor, axis=list(range(leading)))
-    else:
-        # A tensor of the branch's own graph: `set_shape` on the captured
-        # switch output would narrow it for the other branches too.
-        tensor = tf.identity(tensor)
+    # A tensor of the branch's own graph (`set_shape` on the captured switch
+    # output would narrow it for the other branches too), without the
+    # switch output's static shape: under nested tapes TensorFlow gives the
+    # switch's outputs one branch's shapes, which another's contradict.
+    rank = tensor.shape.rank
+    tensor = tf.raw_ops.PlaceholderWithDefault(input=tensor, shape=[None] * rank)
+    if static_shape.rank < rank:
+        tensor = tf.squeeze(tensor, axis=list(range(rank - static_shape.rank)))
     tensor.set_shape(static_shape)
     return tensor
 
@@ -252,6 +280,34 @@ def _backward_branch(backward, path, upstream, x, gamma, saved, saved_shapes):
         return tuple(backward(path, upstream, x, gamma, shaped))
 
     return branch
+
+
+def _second_order_of(reference, inputs, grads):
+    """Return the gradient function of the backward switch, by `reference`.
+
+    Autodiff of `reference`'s gradient, recomputed: it runs only when a
+    tape differentiates the layer's gradient again.
+    """
+    upstream, x, gamma, beta = inputs
+
+    def second_order(*grads_of_grads):
+        grads_of_grads = [
+            tf.zeros_like(g) if d is None else d
+            for d, g in zip(grads_of_grads, grads, strict=True)
+        ]
+        with tf.GradientTape() as outer:
+            outer.watch(inputs)
+            with tf.GradientTape() as inner:
+                inner.watch((x, gamma, beta))
+                outputs = reference(x, gamma, beta)
+            first = inner.gradient(outputs, (x, gamma, beta), output_gradients=upstream)
+        second = outer.gradient(first, inputs, output_gradients=grads_of_grads)
+        return [
+            tf.zeros_like(value) if gradient is None else gradient
+            for gradient, value in zip(second, inputs, strict=True)
+        ]
+
+    return second_order
 
 
 def _refuse_second_order(paths):

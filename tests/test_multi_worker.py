@@ -105,3 +105,18 @@ def test_example_runs_with_one_shared_log_dir(tmp_path, capsys):
     # Both workers log into one directory: each step is still written once.
     steps = [r["step"] for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
     assert len(steps) == len(set(steps)) == results[0]["skipped_steps"]
+
+
+def test_workers_given_different_log_dirs_stop_with_a_clear_error(tmp_path):
+    # Each worker reads the monitor's record from its `log_dir`: with one
+    # per worker, a second run finds the chief's earlier run on the chief
+    # only, and the workers would keep different lists. Both stop at once.
+    example = load_example()
+    argv = [example.sys.executable, EXAMPLE, "--quick"]
+    argv += ["--log-dir", str(tmp_path / "logs-{worker}")]
+    first = example.launch(argv, timeout=120, env=worker_env())
+    assert [code for code, _, _ in first] == [0, 0]
+    second = example.launch(argv, timeout=120, env=worker_env())
+    assert all(code not in (0, None) for code, _, _ in second), second
+    for _, _, err in second:
+        assert "AMPMonitor's workers found different records" in err

@@ -59,6 +59,55 @@ def any_across_workers(strategy, flags):
     return summed(tf.constant(flags.astype(np.int32))).numpy() > 0
 
 
+def chief_values(strategy, values):
+    """Return the chief's `values` (a float array) on every worker (a collective).
+
+    Example:
+    >>> import tensorflow as tf
+    >>> chief_values(tf.distribute.get_strategy(), [1, 2])
+    array([1., 2.])
+    """
+    values = np.asarray(values, dtype=np.float64)
+    if not is_multi_worker(strategy):
+        return values
+    # Each local replica contributes a share of the chief's values, the
+    # other workers' replicas zeros: the sum is the chief's values.
+    share = values / local_replicas(strategy) if is_chief(strategy) else 0 * values
+
+    @tf.function
+    def summed(local):
+        per_replica = strategy.run(tf.identity, args=(local,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return np.round(summed(tf.constant(share)).numpy())
+
+
+def check_same_record(strategy, fingerprint) -> None:
+    """Raise on every worker unless all found the chief's record (a collective).
+
+    Each worker reads the monitor's state from `log_dir`; workers that read
+    different files (a `log_dir` per worker) would keep different lists and
+    skip different steps, then wait for each other forever.
+
+    Args:
+        strategy: the model's distribution strategy.
+        fingerprint: numbers that describe the record this worker continues
+            (integers below 2**32), in the same order on every worker.
+    """
+    if not is_multi_worker(strategy):
+        return
+    fingerprint = np.asarray(fingerprint, dtype=np.float64)
+    differs = not np.array_equal(chief_values(strategy, fingerprint), fingerprint)
+    if any_across_workers(strategy, [differs])[0]:
+        raise ValueError(
+            "AMPMonitor's workers found different records in their `log_dir`: "
+            "each worker reads the monitor's state (lists, counters, the run "
+            "it continues) from there, so every worker must be given the "
+            "same `log_dir`, on a file system they share. Received: "
+            f"log_dir that gives this worker the record {fingerprint.tolist()}"
+        )
+
+
 def agree_on_layers(strategy, events, layer_names):
     """Give every forward event the layers any worker's replay found.
 

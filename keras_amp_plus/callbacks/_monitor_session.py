@@ -9,6 +9,7 @@ state, lists and rule) it changes only through the `MonitorMemory` it is given.
 import copy
 import json
 import logging
+import zlib
 
 from keras_amp_plus import _compat
 from keras_amp_plus._lists import layer_names
@@ -176,6 +177,17 @@ class MonitorSession:
             # runs the lists continues them (`_model_keeps_lists_of`).
             memory.start_over()
         state, continuing = self._record_to_continue(epoch)
+        lists = json.dumps(state.lists, sort_keys=True).encode()
+        distribution.check_same_record(
+            self.strategy,
+            [
+                continuing,
+                state.epoch + 1,
+                state.run,
+                state.total_steps,
+                zlib.crc32(lists),
+            ],
+        )
         # What an abort in this fit's first epoch goes back to: the record
         # as the last completed epoch left it, before the renumbering below.
         self._epoch_end_state = copy.deepcopy(state)

@@ -206,6 +206,14 @@ def test_demo_leaves_a_folder_it_did_not_write_and_says_why(tmp_path, capsys):
     assert str(mine) in error and "another --log-dir" in error
 
 
+def test_demo_takes_what_a_killed_monitor_left_for_its_own(tmp_path):
+    run = tmp_path / "mixed_float16"
+    run.mkdir()
+    for name in ("amp_state.json.tmp", "amp_events.jsonl.tmp", "amp_events.jsonl"):
+        (run / name).write_text("")
+    assert demo.foreign_entries(str(tmp_path)) == []
+
+
 def test_demo_replaces_only_its_own_previous_runs_and_says_so(tmp_path, capsys):
     (tmp_path / "mixed_float16" / "amp").mkdir(parents=True)
     (tmp_path / "mixed_float16" / "amp" / "old").write_text("old run")

@@ -11,10 +11,12 @@ import pytest
 import tensorflow as tf
 from conftest import (
     as_float64,
+    assert_close,
     float_inputs,
     normalization_reference,
     second_order_reference,
     set_random_weights,
+    use_policy,
 )
 
 from keras_amp_plus import layers
@@ -299,3 +301,39 @@ def test_an_empty_sequence_of_varying_length_steps_through(layer):
     assert outputs.shape == x_grad.shape == (2, 0, FEATURES)
     for grad in weight_grads:  # nothing flows from no rows
         np.testing.assert_array_equal(np.asarray(grad), 0.0)
+
+
+def test_eager_calls_at_growing_lengths_compile_a_kernel_per_bucket(monkeypatch):
+    # A decoding loop called eagerly (`model(x)` per token): every call a
+    # new length. A kernel per bucket of sizes compiles, not one per call.
+    from keras_amp_plus.layers import (
+        _fused_normalization,
+        _path_choice,
+        _swish_activation,
+    )
+
+    monkeypatch.setenv(_path_choice.PATH_VARIABLE, _path_choice.FUSED_KERNELS)
+    use_policy("float32")
+    norm, swish = layers.LayerNormalization(), layers.Swish()
+    kernels = (
+        _fused_normalization._normalize_forward,
+        _swish_activation._swish_forward,
+    )
+    before = [kernel.experimental_get_tracing_count() for kernel in kernels]
+    lengths = np.arange(1, 41)
+    rng = np.random.default_rng(0)
+    for length in lengths:
+        x = rng.normal(size=(2, length, 8)).astype("float32")
+        x64 = x.astype(np.float64)
+        ones, zeros = np.ones((1, 1, 8)), np.zeros((1, 1, 8))
+        expected = normalization_reference(x64, zeros + 1, ones, zeros, 1e-3, (2,))[0]
+        assert_close(norm(x), expected, "float32", f"length {length}")
+        np.testing.assert_allclose(swish(x), x64 / (1 + np.exp(-x64)), rtol=1e-6)
+    traced = [
+        kernel.experimental_get_tracing_count() - count
+        for kernel, count in zip(kernels, before, strict=True)
+    ]
+    for count, elements_per_row in zip(traced, (1, 8), strict=True):
+        sizes = 2 * lengths * elements_per_row
+        buckets = len(set(np.asarray(_row_buckets.bucket_rows(sizes)).tolist()))
+        assert 0 < count <= buckets < len(lengths)

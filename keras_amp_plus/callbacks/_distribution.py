@@ -82,7 +82,7 @@ def chief_values(strategy, values):
     return np.round(summed(tf.constant(share)).numpy())
 
 
-def check_same_record(strategy, fingerprint) -> None:
+def check_same_record(strategy, fingerprint, log_dir) -> None:
     """Raise on every worker unless all found the chief's record (a collective).
 
     Each worker reads the monitor's state from `log_dir`; workers that read
@@ -93,6 +93,7 @@ def check_same_record(strategy, fingerprint) -> None:
         strategy: the model's distribution strategy.
         fingerprint: numbers that describe the record this worker continues
             (integers below 2**32), in the same order on every worker.
+        log_dir: this worker's `log_dir`, for the message.
     """
     if not is_multi_worker(strategy):
         return
@@ -104,7 +105,7 @@ def check_same_record(strategy, fingerprint) -> None:
             "each worker reads the monitor's state (lists, counters, the run "
             "it continues) from there, so every worker must be given the "
             "same `log_dir`, on a file system they share. Received: "
-            f"log_dir that gives this worker the record {fingerprint.tolist()}"
+            f"log_dir={log_dir!r} on this worker"
         )
 
 

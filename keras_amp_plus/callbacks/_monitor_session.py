@@ -187,6 +187,7 @@ class MonitorSession:
                 state.total_steps,
                 zlib.crc32(lists),
             ],
+            self.monitor.log_dir,
         )
         # What an abort in this fit's first epoch goes back to: the record
         # as the last completed epoch left it, before the renumbering below.
@@ -218,9 +219,10 @@ class MonitorSession:
 
         The monitor's own (a later `fit`), the state file's snapshot of
         epoch `epoch - 1` (a `fit` resumed by `BackupAndRestore`), else a new
-        run numbered after the state file's last one. The state file is left
-        as it is until this run's first epoch ends (a crash before that must
-        not lose the earlier runs' numbering).
+        run numbered after the state file's last one and after every run in
+        the events file. The state file is left as it is until this run's
+        first epoch ends, or the run stops in it (`_save_stopped_first_epoch`):
+        a crash before that must not lose the earlier runs' numbering.
         """
         state = self.memory.state
         snapshots = state_module.load_snapshots(self.monitor.log_dir)

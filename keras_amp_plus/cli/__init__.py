@@ -55,9 +55,9 @@ def _directory(text: str) -> str:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         what = "a file" if not os.path.isdir(parent) else "not writable"
-        raise argparse.ArgumentTypeError(
-            f"cannot be created: {parent} is {what}, received {text}"
-        )
+        exists = parent == os.path.abspath(text)
+        verb = "cannot be written to" if exists else "cannot be created"
+        raise argparse.ArgumentTypeError(f"{verb}: {parent} is {what}, received {text}")
     return text
 
 

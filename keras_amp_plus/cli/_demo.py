@@ -241,7 +241,17 @@ def format_table(rows: list) -> str:
 
 # What a demo run directory holds: Keras's TensorBoard runs and AMPMonitor's files.
 RUN_ENTRIES = frozenset(
-    {"train", "validation", "amp", "amp_events.jsonl", "amp_state.json"}
+    {
+        "train",
+        "validation",
+        "amp",
+        "amp_events.jsonl",
+        "amp_state.json",
+        # What AMPMonitor leaves when a run is killed while it writes.
+        "amp_events.jsonl.tmp",
+        "amp_state.json.tmp",
+        ".amp_monitor_write_check",
+    }
 )
 
 

@@ -255,10 +255,11 @@ class GrapplerEngine(Engine):
         remember_engine(model, self)
 
     def restore(self) -> None:
-        """Put the variables and the grappler option back as they were.
+        """Put back the variables and grappler option this engine's lists replaced.
 
-        As before this engine's first `apply`; or, while an engine applied
-        after it is still on, hand that state on to it (see module doc).
+        That is the state before its first `apply` (or, had it re-applied over
+        another engine's, that engine's); while an engine applied after it is
+        still on, the state is handed on to it (`GlobalStateStack`).
         """
         if not _applied_engines.holds(self):
             return

@@ -315,10 +315,12 @@ class ItexEngine(Engine):
         return records
 
     def restore(self) -> None:
-        """Put ITEX's config back as it was before the first `apply`.
+        """Put back the ITEX config this engine's lists replaced.
 
-        Or, while an ITEX engine applied after this one is still on, hand that
-        config on to it: its lists stay in force (see `GlobalStateStack`).
+        That is the config before its first `apply` (or, had it re-applied
+        over another engine's, that engine's); while an ITEX engine applied
+        after this one is still on, the config is handed on to it and its
+        lists stay in force (`GlobalStateStack`).
         """
         if not _applied_engines.holds(self):
             return

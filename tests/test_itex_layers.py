@@ -247,9 +247,12 @@ def test_the_swish_function_takes_a_tensor_beta_on_tensors_only():
     expected, _, beta_grad = swish_reference(x, upstream, 1.5)
     np.testing.assert_allclose(outputs, expected, rtol=1e-6)
     np.testing.assert_allclose(tape.gradient(loss, beta), beta_grad, rtol=1e-5)
-    # A symbolic input builds a `Swish` layer, whose beta is a number.
+    # On Keras 2 a symbolic input builds a `Swish` layer, whose beta is a
+    # number; on Keras 3 an operation, whose config (saving) needs one.
     with pytest.raises(ValueError, match=r"trainable_beta=True.*Received: beta="):
-        kap.layers.swish(keras.Input((6,)), beta=tf.constant(1.5))
+        inputs = keras.Input((6,))
+        outputs = kap.layers.swish(inputs, beta=tf.constant(1.5))
+        keras.Model(inputs, outputs).get_config()
 
 
 @pytest.mark.parametrize("policy", POLICIES)

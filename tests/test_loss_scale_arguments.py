@@ -24,6 +24,10 @@ from keras_amp_plus.optimizers import LossScaleOptimizer
         ({"initial_scale": 2.0**30}, "initial_scale=1073741824.0"),
         ({"initial_scale": float("nan")}, "initial_scale=nan"),
         ({"event_buffer_size": 0}, "event_buffer_size=0"),
+        # float32 rounds these to 0 and to inf: every gradient 0/0, no ceiling.
+        ({"min_scale": 1e-50, "initial_scale": 1.0}, "min_scale=1e-50"),
+        ({"max_scale": 1e39}, "max_scale=1e\\+39"),
+        ({"initial_scale": 1e39, "max_scale": 1e40}, "initial_scale=1e\\+39"),
     ],
 )
 def test_bad_numbers_raise_value_error_naming_the_value(kwargs, message):

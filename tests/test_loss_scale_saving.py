@@ -4,6 +4,7 @@ import warnings
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from keras_amp_plus.optimizers import LossScaleOptimizer
@@ -235,3 +236,49 @@ def test_a_file_of_the_first_record_layout_loads_every_record_it_holds():
     assert [r.loss_finite for r in optimizer.read_records(0)] == [False, False]
     # Not recorded in that layout: "not seen", not "finite".
     assert [r.loss_finite for r in fresh.read_records(0)] == [None, None]
+
+
+@pytest.mark.parametrize("capacity", [2, 3, 8], ids=["smaller", "same", "larger"])
+def test_weights_load_into_a_scaler_with_another_event_buffer_size(tmp_path, capacity):
+    # The scaler's warning advises raising `event_buffer_size`; a job resumed
+    # with it must get back its scale, counters, inner state and newest events.
+    def model_with(buffer_size):
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        optimizer = LossScaleOptimizer(
+            keras.optimizers.Adam(0.01),
+            initial_scale=2.0**10,
+            event_buffer_size=buffer_size,
+            on_min_scale="ignore",
+        )
+        model.compile(optimizer, "mse")
+        optimizer.build(model.trainable_variables)
+        return model
+
+    x = np.ones((8, 2), "float32")
+    x[[0, 2, 3, 5, 7], 0] = np.inf
+    y = np.zeros((8, 1), "float32")
+    saved = model_with(3)
+    saved.fit(x, y, batch_size=1, epochs=1, verbose=0, shuffle=False)
+    path = str(tmp_path / "saved.weights.h5")
+    saved.save_weights(path)
+    loaded = model_with(capacity)
+    loaded.load_weights(path)
+    old, new = saved.optimizer, loaded.optimizer
+    assert float(new.dynamic_scale.numpy()) == float(old.dynamic_scale.numpy())
+    summaries = [o.overflow_summary() for o in (old, new)]
+    for summary in summaries:  # the models' own names differ
+        summary["by_variable"] = list(summary["by_variable"].values())
+    assert summaries[0] == summaries[1]
+    assert int(new.iterations.numpy()) == int(old.iterations.numpy())
+    for before, after in zip(saved.weights, loaded.weights, strict=True):
+        np.testing.assert_array_equal(before.numpy(), after.numpy())
+    # The newest events both rings hold (of 5, at steps 1, 3, 4, 6, 8).
+    kept = min(3, capacity)
+
+    def without_paths(events):
+        return [{k: v for k, v in e.items() if k != "variables"} for e in events]
+
+    events = without_paths(new.read_events(5 - kept))
+    assert [e["step"] for e in events] == [4, 6, 8][3 - kept :]
+    assert events == without_paths(old.read_events(5 - kept))

@@ -185,3 +185,17 @@ def test_mirrored_strategy_counts_each_overflow_step_once():
 
 if __name__ == "__main__":
     run_mirrored_worker()
+
+
+def test_apply_of_no_gradients_is_a_no_op_and_a_short_list_is_named():
+    # As Keras's optimizers: an empty list changes nothing, counts no step.
+    variables = [tf.Variable([1.0, 2.0]), tf.Variable(3.0)]
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    optimizer.build(variables)
+    optimizer.apply([], [])
+    assert int(optimizer.total_steps.numpy()) == 0
+    assert int(optimizer.iterations.numpy()) == 0
+    with pytest.raises(ValueError, match=r"got 1 for the 2 variables the optimizer"):
+        optimizer.apply([tf.ones(2)])
+    assert int(optimizer.total_steps.numpy()) == 0  # raised before counting
+    np.testing.assert_array_equal(variables[0].numpy(), [1.0, 2.0])

@@ -235,11 +235,21 @@ def apply_step(optimizer, grads, trainable_variables=None) -> None:
         )
     _check_not_xla_over_replicas()
     grads = list(grads)
+    if not grads:
+        return  # as Keras's optimizers: nothing to apply, no step counted
     variables = (
         optimizer._tracked.variables
         if trainable_variables is None
         else list(trainable_variables)
     )
+    if len(grads) != len(variables):
+        whose = "the optimizer tracks" if trainable_variables is None else "passed"
+        raise ValueError(
+            "`LossScaleOptimizer.apply()` takes one gradient per variable, "
+            f"and got {len(grads)} for the {len(variables)} variables {whose}. "
+            "Pass `trainable_variables` with the gradients, in the same order. "
+            f"Received: {len(grads)} gradients, {len(variables)} variables"
+        )
     positions = optimizer._tracked.positions(variables)
     # Finite, non-finite or not seen (a custom step that never scaled it);
     # the codes are ordered so that the largest over replicas is the answer.

@@ -8,6 +8,7 @@ nothing.
 import math
 
 import keras
+import numpy as np
 
 from keras_amp_plus import _compat
 from keras_amp_plus._arguments import is_int, is_real
@@ -61,6 +62,21 @@ def check_scale_bounds(initial_scale, min_scale, max_scale) -> None:
             "into 0/0 = NaN. Use e.g. `min_scale=1.0`. "
             f"Received: min_scale={min_scale!r}"
         )
+    # The scale is a float32 variable: bounds beyond its normal range would
+    # round to 0 (every gradient 0/0) or to inf (no ceiling at all).
+    lowest, highest = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    for name, value in (
+        ("initial_scale", initial_scale),
+        ("min_scale", min_scale),
+        ("max_scale", max_scale),
+    ):
+        if not lowest <= value <= highest:
+            raise ValueError(
+                f"`{name}` must lie in float32's normal range [{lowest:.3g}, "
+                f"{highest:.3g}]: the loss scale is a float32 variable, where "
+                "a smaller value rounds to 0 and a larger one to inf. Use e.g. "
+                f"`min_scale=1.0`, `max_scale=2.0**24`. Received: {name}={value!r}"
+            )
     if min_scale > max_scale:
         raise ValueError(
             "`min_scale` must not be greater than `max_scale`. Lower `min_scale` "

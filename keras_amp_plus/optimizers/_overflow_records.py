@@ -11,6 +11,7 @@ import numbers
 import threading
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
 from keras_amp_plus import _compat
@@ -213,7 +214,9 @@ def load_earlier_layout(optimizer, store) -> bool:
     A file saved with Keras's `LossScaleOptimizer` gives the scale, step counter
     and inner optimizer's variables, and the records start empty; a file of
     our scaler's first layout gives everything but the loss states, which read
-    as "not seen".
+    as "not seen"; a file saved with another `event_buffer_size` (raised, as
+    the scaler's warning advises) gives everything, its newest events laid
+    into this ring (`_load_resized_rings`).
     """
     if _matches(store, optimizer.variables):
         return False
@@ -225,7 +228,54 @@ def load_earlier_layout(optimizer, store) -> bool:
                 states = optimizer.event_loss_states
                 states.assign(tf.fill(states.shape, _overflow_record.LOSS_NOT_SEEN))
             return True
-    return False
+    return _load_resized_rings(optimizer, store)
+
+
+# The event rings: one slot per event, `event_buffer_size` slots.
+_RINGS = (
+    "event_steps",
+    "event_scales_before",
+    "event_scales_after",
+    "event_has_nan",
+    "event_variable_masks",
+    "event_loss_states",
+)
+
+
+def _relaid(saved, shape, count):
+    """Return ring `saved` relaid into a ring of `shape`, after `count` events."""
+    relaid = np.zeros(tuple(shape), saved.dtype)
+    newest_kept = min(count, len(saved), len(relaid))
+    for event in range(count - newest_kept + 1, count + 1):
+        relaid[(event - 1) % len(relaid)] = saved[(event - 1) % len(saved)]
+    return relaid
+
+
+def _load_resized_rings(optimizer, store) -> bool:
+    """Load a store whose event rings have another capacity; False if it is not.
+
+    Event `e` (1-based) sits in slot `(e - 1) % capacity`: the newest events
+    the saved ring holds, as many as this one holds, move to their slots here.
+    """
+    variables = optimizer.variables
+    rings = {id(getattr(optimizer, name)) for name in _RINGS}
+    if len(store.keys()) != len(variables):
+        return False
+    for i, variable in enumerate(variables):
+        saved = tuple(store[str(i)].shape)
+        expected = tuple(variable.shape)
+        if saved != expected and not (
+            id(variable) in rings and saved[1:] == expected[1:]
+        ):
+            return False
+    for i, variable in enumerate(variables):
+        if id(variable) not in rings:
+            variable.assign(store[str(i)])
+    count = int(optimizer.overflow_count.numpy())
+    for i, variable in enumerate(variables):
+        if id(variable) in rings:
+            variable.assign(_relaid(np.asarray(store[str(i)]), variable.shape, count))
+    return True
 
 
 def require_built(optimizer, method: str) -> None:

@@ -41,7 +41,8 @@ BENCHMARKS := benchmarks/layers.py benchmarks/paths.py benchmarks/variable_lengt
 	benchmarks/batch_switch.py \
 	benchmarks/cpu_allocator.py benchmarks/training.py benchmarks/loss_scale.py \
 	benchmarks/finite_flags.py benchmarks/fused_update.py benchmarks/monitor.py \
-	benchmarks/moments_gradient.py benchmarks/in_xla_sums.py benchmarks/swish_xla.py
+	benchmarks/moments_gradient.py benchmarks/in_xla_sums.py benchmarks/swish_xla.py \
+	benchmarks/eager_calls.py
 
 # The whole tests/ directory: conftest.py skips, with the reason, every module
 # written against Keras 3 APIs, so what runs is the test_itex_* suite.
@@ -61,6 +62,7 @@ bench: $(PY)
 	$(PY) benchmarks/swish_xla.py
 	$(PY) benchmarks/swish_in_context.py
 	$(PY) benchmarks/variable_length.py
+	$(PY) benchmarks/eager_calls.py
 	$(PY) benchmarks/batch_switch.py
 	TF_ENABLE_ONEDNN_OPTS=0 $(PY) benchmarks/cpu_allocator.py
 	$(PY) benchmarks/training.py

@@ -5,6 +5,7 @@ with a batch that overflows only sometimes: `hot` has a moderate fixed kernel,
 fine on normal inputs, and one batch per epoch holds inputs 1e4 times larger.
 """
 
+import logging
 import os
 
 import keras
@@ -148,6 +149,98 @@ def test_an_epoch_of_skipped_steps_is_never_the_best(tmp_path):
     assert losses[0] == np.inf and all(np.isfinite(losses[1:]))
     assert stop.best == min(losses) and len(losses) >= 3
     assert checkpoint.best == min(history.history["mae"])
+
+
+def test_a_nan_validation_is_never_the_best(tmp_path, caplog):
+    # Validation runs before the monitor's epoch end, so after epoch 0's
+    # overflows it evaluates `hot` still in float16: NaN, which Keras 3's
+    # callbacks would keep for the best (restoring the untrained weights),
+    # wherever they are listed.
+    model = overflow_model("mixed_float16")
+    initial = model.get_weights()
+    stop = keras.callbacks.EarlyStopping(
+        monitor="val_loss", patience=2, restore_best_weights=True
+    )
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "best.keras"), monitor="val_loss", save_best_only=True
+    )
+    x, y = regression_data()
+    with caplog.at_level(logging.WARNING, logger="keras_amp_plus"):
+        history = train(
+            model,
+            [stop, AMPMonitor(str(tmp_path), patience=10), checkpoint],
+            epochs=4,
+            validation_data=(x[:32], y[:32]),
+        )
+    val_losses = history.history["val_loss"]
+    assert val_losses[0] == np.inf and all(np.isfinite(val_losses[1:]))
+    assert len(val_losses) == 4
+    assert stop.best == checkpoint.best == min(val_losses)
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(initial, model.get_weights(), strict=True)
+    )
+    [record] = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "nan_validation"]
+    assert record["epoch"] == 0 and record["metrics"] == ["val_loss"]
+    assert record["overflow_events"] == STEPS_PER_EPOCH
+    assert "validation gave NaN for val_loss" in caplog.text
+    # After fit, Keras's own NaN results come back.
+    assert np.isfinite(model.evaluate(x[:32], y[:32], verbose=0))
+
+
+class StopAfterEpoch(keras.callbacks.Callback):
+    """Stop `fit` at the end of epoch `last` (as `EarlyStopping` may)."""
+
+    def __init__(self, last):
+        super().__init__()
+        self.last = last
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.last:
+            self.model.stop_training = True
+
+
+class CalmDown(keras.callbacks.Callback):
+    """Scale `hot`'s kernel down after epoch 0: its overflows were transient."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            kernel = self.model.get_layer("hot").kernel
+            kernel.assign(kernel * 1e-4)
+
+
+@pytest.mark.parametrize("stopper", ("last epoch", "before", "after"))
+def test_no_layer_is_left_moved_back_without_a_trial(tmp_path, stopper):
+    # At patience 1, `hot` (denied after epoch 0) moves back at epoch 1's
+    # end. If no epoch follows, the model must not be left with it in the
+    # precision it overflowed in: not moved (the last epoch, or a callback
+    # before the monitor stopped the fit), or taken back (one after it).
+    model = overflow_model("mixed_float16")
+    monitor = AMPMonitor(str(tmp_path), patience=1, cooldown=0)
+    callbacks = {
+        "last epoch": [monitor, CalmDown()],
+        "before": [StopAfterEpoch(1), monitor, CalmDown()],
+        "after": [monitor, CalmDown(), StopAfterEpoch(1)],
+    }[stopper]
+    train(model, callbacks, epochs=2 if stopper == "last epoch" else 5)
+    assert model.get_layer("hot").compute_dtype == "float32"
+    assert monitor.lists.deny_layers == ("hot",)
+    changes = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "list_change"]
+    moves = [(c["epoch"], c["from"], c["to"]) for c in changes]
+    if stopper == "after":
+        assert moves == [(0, None, "deny"), (1, "deny", "allow"), (1, "allow", "deny")]
+        assert "ended before its trial" in changes[-1]["reason"]
+    else:
+        assert moves == [(0, None, "deny")]
+    # Its clean epochs still count: the next fit tries it after one epoch.
+    train(model, [monitor], epochs=2)
+    moves = [
+        (c["epoch"], c["to"])
+        for c in read_jsonl(str(tmp_path))
+        if c["type"] == "list_change"
+    ]
+    assert moves[-1] == (2, "allow")
+    assert model.get_layer("hot").compute_dtype == "float16"
 
 
 def test_early_stopping_on_loss_keeps_a_run_with_sporadic_overflows():

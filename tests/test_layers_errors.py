@@ -60,10 +60,26 @@ def test_layer_normalization_rank_too_low_for_axis_raises():
         layers.LayerNormalization(axis=-2)(np.zeros((8,), "float32"))
 
 
-@pytest.mark.parametrize("layer", (*NORMALIZATIONS, layers.Swish))
-def test_integer_input_raises(layer):
+def test_swish_integer_input_raises():
+    # As Keras's swish does: its output would be truncated to integers.
     with pytest.raises(TypeError, match=r"Received: inputs\.dtype=int32"):
-        layer()(np.ones((2, 3, 4), "int32"))
+        layers.Swish()(np.ones((2, 3, 4), "int32"))
+
+
+@pytest.mark.parametrize("layer", NORMALIZATIONS)
+def test_normalizations_take_integer_inputs_as_keras_does(layer):
+    # Keras's LayerNormalization and GroupNormalization cast them to the
+    # compute dtype; a model built on `keras.Input(dtype="int32")` works.
+    x = np.arange(24, dtype="int32").reshape((2, 3, 4)) % 5
+    outputs = np.asarray(layer(epsilon=1e-3)(x))
+    x64 = x.astype(np.float64)
+    axes = -1 if layer is layers.LayerNormalization else 1
+    mean = x64.mean(axes, keepdims=True)
+    expected = (x64 - mean) / np.sqrt(x64.var(axes, keepdims=True) + 1e-3)
+    assert outputs.dtype == np.float32
+    np.testing.assert_allclose(outputs, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match=r"Received: inputs\.dtype=complex64"):
+        layer()(np.ones((2, 3, 4), "complex64"))
 
 
 def test_undefined_weight_axis_raises():

@@ -103,6 +103,38 @@ def test_each_path_matches_float64_in_graph_and_xla(
         check_normalization(inorm, shape, mean, policy, (1, 2), params)
 
 
+@pytest.mark.parametrize(
+    "path", ("auto", _path_choice.FUSED_KERNELS, _path_choice.KERAS_FORMULA)
+)
+@pytest.mark.parametrize(
+    "layer_class", (layers.LayerNormalization, layers.InstanceNormalization)
+)
+def test_an_empty_batch_on_each_path_eager_and_in_a_step(
+    layer_class, path, monkeypatch
+):
+    # A replica's share of a partial batch can be empty; eager calls run the
+    # plain formula at a shape's first call, the path from its second on.
+    monkeypatch.setenv(_path_choice.PATH_VARIABLE, path)
+    use_policy("mixed_bfloat16")
+    shape = (0, 4, 4, 8)
+    layer = layer_class()
+    layer.build((None, *shape[1:]))
+
+    def forward_backward(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = layer(x)
+        return outputs, tape.gradient(outputs, [x, *layer.trainable_weights])
+
+    step = tf.function(forward_backward)
+    empty = tf.zeros(shape, tf.bfloat16)
+    for run in (forward_backward, forward_backward, step):
+        outputs, (x_grad, *weight_grads) = run(empty)
+        assert outputs.shape == x_grad.shape == shape
+        for weight_grad in weight_grads:
+            np.testing.assert_array_equal(as_float64(weight_grad), 0.0)
+
+
 class _UnknownShapeStep(_StepWrapped):
     """The layer in a graph step traced for inputs of unknown size."""
 

@@ -282,3 +282,7 @@ def test_weights_load_into_a_scaler_with_another_event_buffer_size(tmp_path, cap
     events = without_paths(new.read_events(5 - kept))
     assert [e["step"] for e in events] == [4, 6, 8][3 - kept :]
     assert events == without_paths(old.read_events(5 - kept))
+    # Read from the start, the events lost before the save are said lost
+    # (a larger ring has empty slots, not events at step 0).
+    with pytest.warns(UserWarning, match=f"{5 - kept} overflow events were overwr"):
+        assert without_paths(new.read_events(0)) == events

@@ -78,7 +78,12 @@ class AMPMonitor(keras.callbacks.Callback):
     `LossScaleOptimizer.guard`. With `adapt=True`, at each epoch end, a layer
     whose accumulated evidence reaches `deny_threshold` moves to the deny
     list, and a denied layer moves back after `patience` clean epochs (see
-    the arguments), through the engine.
+    the arguments), through the engine: only at an epoch end another epoch
+    of the `fit` follows, to try it (a move made when a callback after the
+    monitor stops the `fit` there is taken back). NaN results of `fit`'s
+    validation, which runs before the monitor denies a layer, read as their
+    worst values, as a skipped epoch's metrics do (`exclude_skipped_steps`),
+    with a warning.
 
     During `fit` only, the model's `train_step` and `compute_loss` are wrapped
     on the instance (restored in `on_train_end`). At each epoch end the monitor
@@ -252,6 +257,16 @@ class AMPMonitor(keras.callbacks.Callback):
         callback has one), which costs more than the whole monitor.
         """
         self._session.before_batch(batch)
+
+    def on_test_begin(self, logs=None):
+        """Note that `fit` validates: NaN results read as their worst values."""
+        if self._session is not None:
+            self._session.begin_validation()
+
+    def on_test_end(self, logs=None):
+        """Note that `fit`'s validation ended."""
+        if self._session is not None:
+            self._session.end_validation()
 
     def on_epoch_end(self, epoch, logs=None):
         """Report the epoch, adapt the lists, save the state."""

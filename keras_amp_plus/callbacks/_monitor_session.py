@@ -65,6 +65,22 @@ OVERFLOW_IN_FLOAT32 = (
     "rate or clip the gradients."
 )
 
+NAN_VALIDATION = (
+    "AMPMonitor epoch %d: validation gave NaN for %s (%s). Callbacks read "
+    "`inf` for a loss, `-inf` for an accuracy, the worst values, so "
+    "`EarlyStopping` and `ModelCheckpoint(save_best_only=True)` do not keep "
+    "it for the best (Keras 3's take a first NaN for the best forever)."
+)
+# Why, by the epoch's training steps.
+VALIDATED_BEFORE_ADAPTING = (
+    "its %d overflow event(s) in training: validation ran before the monitor "
+    "moved any layer, on the model as the epoch left it"
+)
+NAN_WITHOUT_OVERFLOWS = (
+    "no overflow in its training steps: check the validation data for Inf "
+    "or NaN, and the model for values that diverge"
+)
+
 
 class StepCache:
     """The instrumented train function of the last `fit`, for the next one.
@@ -161,7 +177,11 @@ class MonitorSession:
         )
         self.log = EventLog(self.write_dir)
         self.started = False
+        self.epoch = 0
         self.epoch_events = []
+        # The layers moved back at the last epoch end, and the rule's last
+        # return before: taken back if no epoch tries them.
+        self.untried_returns = None
         self._written_scalars = None
         self.snapshots = {}
 
@@ -321,6 +341,7 @@ class MonitorSession:
                 raise
         self.recorder.begin_epoch()
         self.epoch = epoch
+        self.untried_returns = None  # this epoch tries them
         self.epoch_events = []
         self.read_at = 0
 
@@ -608,14 +629,50 @@ class MonitorSession:
                 )
 
     def adapt(self, epoch, evidence) -> list:
-        """Apply the adaptation rule; return the list changes made."""
+        """Apply the adaptation rule; return the list changes made.
+
+        No layer moves back where no epoch of this `fit` follows to try it:
+        at its last epoch, or once a callback before the monitor stopped it.
+        """
         memory = self.memory
-        lists = memory.lists
-        denied = self.editor.denied_layers(self.model, lists)
-        changes = []
+        denied = self.editor.denied_layers(self.model, memory.lists)
+        epochs = (self.monitor.params or {}).get("epochs")
+        last_epoch = epochs is not None and epoch + 1 >= epochs
+        may_return = not (last_epoch or self.model.stop_training)
+        last_return = memory.rule.last_return_epoch
         # Record epochs: the rule's memory (last return, clean epochs) spans
         # fits, which each number their epochs from 0.
-        decisions = memory.rule.decide(self.record_epoch(epoch), evidence, denied)
+        decisions = memory.rule.decide(
+            self.record_epoch(epoch), evidence, denied, may_return
+        )
+        returns = [decision for decision in decisions if decision.to == "allow"]
+        self.untried_returns = (returns, last_return) if returns else None
+        return self._apply_decisions(epoch, decisions)
+
+    def take_back_untried_returns(self) -> None:
+        """Deny again the layers moved back at an epoch end no epoch followed.
+
+        A callback after the monitor (`EarlyStopping`) may stop the `fit` at
+        the epoch end that moved a layer back: the model would be left with
+        the layer in a precision it overflowed in and no epoch tried again
+        (`evaluate` and `predict` could give NaN).
+        """
+        if self.untried_returns is None:
+            return
+        returns, last_return = self.untried_returns
+        self.untried_returns = None
+        decisions = [self.memory.rule.take_back(d, last_return) for d in returns]
+        changes = self._apply_decisions(self.epoch, decisions)
+        step = self.memory.state.epoch_offset + self.epoch
+        self.log.text("amp/changes", changes_markdown(changes), step)
+        self._log_lists(step + 1)
+        self._snapshot(self.epoch)
+
+    def _apply_decisions(self, epoch, decisions) -> list:
+        """Move the layers of `decisions`, log each move; return the changes."""
+        memory = self.memory
+        lists = memory.lists
+        changes = []
         for decision in decisions:
             lists, moved = self.editor.apply(lists, decision)
             for change in moved:
@@ -647,6 +704,35 @@ class MonitorSession:
                 self.restore_scale(epoch, denied)
         return changes
 
+    def begin_validation(self) -> None:
+        """`fit` validates: its NaN results read as their worst values."""
+        self.recorder.validating = self.recorder.installed
+
+    def end_validation(self) -> None:
+        """`fit`'s validation ended."""
+        self.recorder.validating = False
+
+    def _report_nan_validation(self, epoch: int, events) -> None:
+        """Warn and record that the epoch's validation gave NaN results."""
+        names = sorted(set(self.recorder.nan_validation_metrics))
+        self.recorder.nan_validation_metrics.clear()
+        if not names:
+            return
+        self.log.write_record(
+            {
+                "type": "nan_validation",
+                "epoch": self.record_epoch(epoch),
+                "run": self.memory.state.run,
+                "metrics": [f"val_{name}" for name in names],
+                "overflow_events": len(events),
+            }
+        )
+        cause = (
+            VALIDATED_BEFORE_ADAPTING % len(events) if events else NAN_WITHOUT_OVERFLOWS
+        )
+        metrics = ", ".join(f"val_{name}" for name in names)
+        logger.warning(NAN_VALIDATION, epoch, metrics, cause)
+
     def end_epoch(self, epoch: int, logs: dict | None) -> None:
         """Report the epoch, adapt the lists, fill `logs`, save the state.
 
@@ -666,6 +752,7 @@ class MonitorSession:
         memory = self.memory
         evidence = memory.rule.evidence(events)
         self.report_epoch(epoch, events, steps, evidence)
+        self._report_nan_validation(epoch, events)
         if logs is not None:
             logs["overflow_events"] = len(events)
         if self.monitor.adapt:
@@ -747,6 +834,7 @@ class MonitorSession:
 
     def close(self) -> StepCache:
         """Flush, close and uninstall (end of `fit`); return the step to reuse."""
+        self.take_back_untried_returns()
         self.log.close()
         wrapped = self.model.train_function
         self.recorder.uninstall()

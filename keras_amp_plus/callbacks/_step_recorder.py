@@ -97,6 +97,12 @@ def _no_value_like(value, direction):
     return tf.fill(tf.shape(value), tf.constant(worst, value.dtype))
 
 
+def _holds_nan(value) -> bool:
+    """Return whether the metric result `value` is a float holding a NaN."""
+    value = tf.convert_to_tensor(value)
+    return value.dtype.is_floating and bool(tf.reduce_any(tf.math.is_nan(value)))
+
+
 def _metric_directions(model) -> dict:
     """Return `{result name: "up" or "down"}` for the model's known metrics."""
     directions = {}
@@ -225,6 +231,9 @@ class StepRecorder:
         self.call_order = []
         self.installed = False
         self.compiles_model_step = False
+        # Set while `fit` validates (`on_test_begin` .. `on_test_end`).
+        self.validating = False
+        self.nan_validation_metrics = []
 
     # -- installing the wrappers -------------------------------------------------
     def install(self) -> None:
@@ -313,7 +322,11 @@ class StepRecorder:
 
         def get_metrics_result():
             results = original_get_metrics_result()
-            if tf.inside_function() or not self._every_step_left_out():
+            if tf.inside_function():
+                return results
+            if self.validating:
+                return self._validation_results(results)
+            if not self._every_step_left_out():
                 return results
             directions = _metric_directions(self.model)
             return {
@@ -322,6 +335,28 @@ class StepRecorder:
             }
 
         return get_metrics_result
+
+    def _validation_results(self, results) -> dict:
+        """Report `fit`'s NaN validation results as their worst values.
+
+        Validation runs before any callback's `on_epoch_end`, so after an
+        epoch of float16 overflows it evaluates the model as it was before
+        the monitor denies the layer: its loss is often NaN. Keras 3's
+        `EarlyStopping` and `ModelCheckpoint(save_best_only=True)` would take
+        a first NaN for the best forever (no value beats it) and restore or
+        keep the untrained weights. A NaN result whose direction is known
+        reads `inf` (loss) or `-inf` (accuracy) instead, which any later
+        measured epoch beats; its name is noted for the epoch's warning.
+        """
+        directions = _metric_directions(self.model)
+        reported = {}
+        for name, value in results.items():
+            direction = _direction_of(name, directions)
+            if direction is not None and _holds_nan(value):
+                self.nan_validation_metrics.append(name)
+                value = _no_value_like(value, direction)
+            reported[name] = value
+        return reported
 
     def _every_step_left_out(self) -> bool:
         """Return True when the epoch ran steps and its metrics hold none."""

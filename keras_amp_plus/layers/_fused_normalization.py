@@ -31,6 +31,7 @@ import tensorflow as tf
 from keras_amp_plus import _compat
 from keras_amp_plus.layers import (
     _batch_norm_formula,
+    _eager_shapes,
     _feature_rows,
     _keras_formula,
     _path_choice,
@@ -210,6 +211,11 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
             normalize_rows, x, gamma, beta, stat_axes
         )
 
+    if tf.executing_eagerly() and not _eager_call_compiles(x, gamma, stat_axes):
+        # No compilation for a shape called once (`_eager_shapes`).
+        return _keras_formula.normalize_centered(
+            x, gamma, beta, epsilon, stat_axes, output_dtype
+        )
     trailing = _over_trailing_axes(x, stat_axes)
     batch_norm_applies = _batch_norm_formula.applies(x, gamma, epsilon, stat_axes)
     if batch_norm_applies and x.shape[1:].num_elements() is None:
@@ -245,6 +251,18 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
         )
 
     return switch(x, gamma, beta, paths, forward, backward, reference)
+
+
+def _eager_call_compiles(x, gamma, stat_axes) -> bool:
+    """Return whether an eager call on `x` runs the chosen path (the kernels).
+
+    That is from the second call at its shape on, or where the path is
+    forced (`_path_choice.path_is_forced`); the first runs plain ops
+    (`_keras_formula.normalize_centered`).
+    """
+    details = (stat_axes, tuple(gamma.shape))
+    seen = _eager_shapes.seen_before("normalize", x, *details)
+    return seen or _path_choice.path_is_forced()
 
 
 def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):

@@ -164,7 +164,7 @@ class InstanceNormalization(keras.layers.Layer):
 
     def call(self, inputs):
         """Normalize `inputs`; statistics in float32, output in compute dtype."""
-        _validation.check_float_input(inputs, _LAYER_NAME)
+        inputs = _validation.as_float_input(inputs, _LAYER_NAME, self.compute_dtype)
         rank = len(inputs.shape)
         channel_axis = self.axis % rank
         stat_axes = tuple(a for a in range(1, rank) if a != channel_axis)

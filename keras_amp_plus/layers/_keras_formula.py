@@ -87,6 +87,31 @@ def normalize_by_reductions(x, gamma, beta, epsilon, stat_axes, output_dtype):
     return outputs
 
 
+def normalize_centered(x, gamma, beta, epsilon, stat_axes, output_dtype):
+    """Return `(x - mean) * rsqrt(variance + epsilon) * gamma + beta`: plain ops.
+
+    For eager calls at a shape not called before (`_eager_shapes`), which
+    compile nothing: two passes over `x` in `gamma`'s dtype (the variance of
+    the centred values), so inputs far from zero lose nothing to the
+    cancellation of Keras's form; differentiated by autodiff. The arguments
+    are `keras_formula_normalize`'s.
+
+    Example:
+    >>> import tensorflow as tf
+    >>> x = tf.constant([[1000.0, 1001.0, 1002.0]])
+    >>> ones, zeros = tf.ones([1, 3]), tf.zeros([1, 3])
+    >>> out = normalize_centered(x, ones, zeros, 1e-3, (1,), tf.float32)
+    >>> [round(float(v), 2) for v in out[0]]
+    [-1.22, 0.0, 1.22]
+    """
+    x_wide = tf.cast(x, gamma.dtype)
+    mean = tf.reduce_mean(x_wide, stat_axes, keepdims=True)
+    centered = x_wide - mean
+    variance = tf.reduce_mean(tf.square(centered), stat_axes, keepdims=True)
+    inv = tf.math.rsqrt(variance + epsilon) * gamma
+    return tf.cast(centered * inv + beta, output_dtype)
+
+
 def normalize_by_products(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """Return the formula with means as batched products, analytic gradient.
 
@@ -147,7 +172,9 @@ def _variance_about(x, mean, axes, mean_of):
     @tf.custom_gradient
     def variance(x, mean):
         centered = x - mean
-        count = tf.cast(tf.size(x, tf.int64) // tf.size(mean, tf.int64), x.dtype)
+        # An empty batch has no means either: its count is left at 1.
+        means = tf.maximum(tf.size(mean, tf.int64), 1)
+        count = tf.cast(tf.size(x, tf.int64) // means, x.dtype)
 
         def grad(upstream):
             return upstream * (2.0 / count) * centered, tf.zeros_like(mean)

@@ -48,7 +48,8 @@ class LayerNormalization(keras.layers.LayerNormalization):
       a kernel per input shape, so inputs whose length changes from batch to
       batch (`keras.Input((None, features))`) are padded to one of two row
       counts per power of two, bounding the compilations over a whole `fit`
-      (called eagerly, each new shape still compiles once);
+      (called eagerly, a shape compiles only when it is called again: its
+      first call runs plain ops);
     - with Intel Extension for TensorFlow importable, ITEX's fused layer-norm
       kernel is used for the last axis, for float16 only where a probe found
       it runs on this CPU (ITEX's AVX512 backend has no float16 layer norm on
@@ -135,7 +136,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
 
     def call(self, inputs):
         """Normalize `inputs`; statistics in float32, output in compute dtype."""
-        _validation.check_float_input(inputs, _LAYER_NAME)
+        inputs = _validation.as_float_input(inputs, _LAYER_NAME, self.compute_dtype)
         rank = len(inputs.shape)
         axes = _validation.positive_axes(self.axis, rank, inputs.shape)
         if _compat.uses_rms_scaling(self):

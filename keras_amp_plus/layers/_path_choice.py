@@ -134,6 +134,17 @@ def _forced_path():
     return value
 
 
+def path_is_forced() -> bool:
+    """Return whether `KERAS_AMP_PLUS_NORMALIZATION_PATH` names a path.
+
+    Example:
+    >>> import os
+    >>> path_is_forced() == (os.environ.get(PATH_VARIABLE, "auto") != "auto")
+    True
+    """
+    return _forced_path() is not None
+
+
 def normalization_path(
     elements,
     trailing_statistics=True,

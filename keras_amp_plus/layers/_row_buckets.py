@@ -47,13 +47,13 @@ def shapes_vary(x) -> bool:
     """Return True when `x`'s shape may change from step to step.
 
     That is when, at trace time, a dimension other than the batch axis is
-    unknown, or the rank is; and in eager calls, each of which may bring a
-    new shape (a decoding loop's growing sequence), where an XLA kernel per
-    shape would compile at nearly every call. A model that XLA compiles whole
-    recompiles per shape anyway, so there padding would only cost.
+    unknown, or the rank is. A model that XLA compiles whole recompiles per
+    shape anyway, so there padding would only cost. Eager calls have their
+    shapes: they compile kernels only for shapes called before
+    (`_eager_shapes`), each as it is.
     """
     if tf.executing_eagerly():
-        return True
+        return False
     unknown = x.shape.rank is None or any(size is None for size in x.shape[1:])
     return unknown and not _compat.in_xla_compiled_function()
 
@@ -71,10 +71,7 @@ def applies(x, gamma, stat_axes) -> bool:
         tuple(stat_axes) == tuple(range(first, rank))
         and all(x.shape[axis] is not None for axis in stat_axes)
         and all(gamma.shape[axis] == 1 for axis in range(first))
-        and (
-            tf.executing_eagerly()
-            or any(x.shape[axis] is None for axis in range(1, first))
-        )
+        and any(x.shape[axis] is None for axis in range(1, first))
         and shapes_vary(x)
     )
 

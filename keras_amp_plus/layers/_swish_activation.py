@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus.layers import (
+    _eager_shapes,
     _precision,
     _rounding,
     _row_buckets,
@@ -310,6 +311,11 @@ def _swish_for_xla(x, beta, with_beta_grad):
     native_float16 = x.dtype == tf.float16 and not _precision.emulated_float16(x.dtype)
     if native_float16 and not with_beta_grad:
         return tf.nn.silu(x, tf.cast(beta, x.dtype))
+    return _widened_silu(x, beta)
+
+
+def _widened_silu(x, beta):
+    """`tf.nn.silu` of `x` widened to `beta`'s dtype, in `x`'s dtype: plain ops."""
     return tf.cast(tf.nn.silu(tf.cast(x, beta.dtype), beta), x.dtype)
 
 
@@ -352,6 +358,9 @@ def _swish_of_varying_shape(x, beta, with_beta_grad):
 def _swish(x, beta, with_beta_grad):
     if _compat.in_xla_compiled_function():
         return _swish_for_xla(x, beta, with_beta_grad)
+    if tf.executing_eagerly() and not _eager_shapes.seen_before("swish", x):
+        # No compilation for a shape called once (`_eager_shapes`).
+        return _widened_silu(x, beta)
     if _row_buckets.shapes_vary(x):
         return _swish_of_varying_shape(x, beta, with_beta_grad)
 
@@ -381,8 +390,9 @@ def swish(x, beta=1.0):
     backward each run as one fused kernel: XLA's, or for bfloat16 with `beta`
     1 in a graph step where TensorFlow's oneDNN kernels are on, oneDNN's
     swish for the forward pass (float32 too where the input's shape varies
-    from step to step). Inside a `jit_compile=True` step it is plain
-    ops, as the `Swish` layer describes.
+    from step to step). An eager call at a shape not called before runs
+    plain ops instead of compiling a kernel. Inside a `jit_compile=True`
+    step it is plain ops, as the `Swish` layer describes.
 
     Args:
         x: Float input tensor (any float dtype) or `KerasTensor`.

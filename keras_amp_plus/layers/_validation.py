@@ -122,6 +122,29 @@ def check_float_input(inputs, layer_name: str, argument: str = "inputs") -> None
         )
 
 
+def as_float_input(inputs, layer_name: str, compute_dtype):
+    """Return float `inputs` as they are, integer ones cast to `compute_dtype`.
+
+    As Keras's normalization layers take them (`keras.Input(dtype="int32")`
+    features); any other dtype raises TypeError.
+
+    Example:
+    >>> import tensorflow as tf
+    >>> as_float_input(tf.constant([1, 2]), "LayerNormalization", "float32").dtype
+    tf.float32
+    """
+    dtype = _compat.standardize_dtype(inputs.dtype)
+    if "float" in dtype:
+        return inputs
+    if "int" in dtype or dtype == "bool":
+        return tf.cast(inputs, compute_dtype)
+    raise TypeError(
+        f"{layer_name} accepts floating-point and integer inputs only. Cast the "
+        "input to a float dtype first (e.g. `keras.ops.cast(x, 'float32')`). "
+        f"Received: inputs.dtype={dtype}"
+    )
+
+
 def check_eager(function_name: str) -> None:
     """Raise RuntimeError when called inside a `tf.function`.
 

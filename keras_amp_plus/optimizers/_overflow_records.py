@@ -242,9 +242,17 @@ _RINGS = (
 )
 
 
-def _relaid(saved, shape, count):
-    """Return ring `saved` relaid into a ring of `shape`, after `count` events."""
-    relaid = np.zeros(tuple(shape), saved.dtype)
+# The step of a slot that holds no event: a ring relaid into a larger one
+# holds fewer events than its capacity (`read_records` starts after them).
+_NO_EVENT_STEP = -1
+
+
+def _relaid(saved, shape, count, empty=0):
+    """Return ring `saved` relaid into a ring of `shape`, after `count` events.
+
+    Slots that hold none of the saved events read `empty`.
+    """
+    relaid = np.full(tuple(shape), empty, saved.dtype)
     newest_kept = min(count, len(saved), len(relaid))
     for event in range(count - newest_kept + 1, count + 1):
         relaid[(event - 1) % len(relaid)] = saved[(event - 1) % len(saved)]
@@ -272,10 +280,26 @@ def _load_resized_rings(optimizer, store) -> bool:
         if id(variable) not in rings:
             variable.assign(store[str(i)])
     count = int(optimizer.overflow_count.numpy())
+    steps = id(optimizer.event_steps)
     for i, variable in enumerate(variables):
         if id(variable) in rings:
-            variable.assign(_relaid(np.asarray(store[str(i)]), variable.shape, count))
+            empty = _NO_EVENT_STEP if id(variable) == steps else 0
+            saved = np.asarray(store[str(i)])
+            variable.assign(_relaid(saved, variable.shape, count, empty))
     return True
+
+
+def _oldest_held(count, capacity, steps) -> int:
+    """Return the index of the newest event the ring no longer holds (0: none).
+
+    The ring holds the newest `capacity` events, except after a smaller
+    ring was relaid into it (`_load_resized_rings`): its slots that hold no
+    event read `_NO_EVENT_STEP`.
+    """
+    oldest_held = max(count - capacity, 0)
+    while oldest_held < count and steps[oldest_held % capacity] == _NO_EVENT_STEP:
+        oldest_held += 1
+    return oldest_held
 
 
 def require_built(optimizer, method: str) -> None:
@@ -333,7 +357,8 @@ def read_records(optimizer, since_count: int = 0) -> list[OverflowRecord]:
         )
     count = int(optimizer.overflow_count.numpy())
     capacity = optimizer.event_buffer_size
-    oldest_held = max(count - capacity, 0)
+    steps = optimizer.event_steps.numpy()
+    oldest_held = _oldest_held(count, capacity, steps)
     if since_count < oldest_held:
         warnings.warn(
             f"{oldest_held - since_count} overflow events were overwritten in "
@@ -347,7 +372,6 @@ def read_records(optimizer, since_count: int = 0) -> list[OverflowRecord]:
     if count <= since_count:
         return []
     paths = tracked_variable_paths(optimizer)
-    steps = optimizer.event_steps.numpy()
     before = optimizer.event_scales_before.numpy()
     after = optimizer.event_scales_after.numpy()
     has_nan = optimizer.event_has_nan.numpy()

@@ -43,6 +43,30 @@ def __getattr__(name):
     return value
 
 
+def _require_tensorflow() -> None:
+    """Raise ImportError, saying what to install, where TensorFlow is missing.
+
+    TensorFlow is no hard dependency of the package: a hard `tensorflow-cpu`
+    would install over a `tensorflow` (or an accelerator's build) already
+    there, so it is the `[cpu]` extra. Not under `python -m keras_amp_plus`,
+    whose `doctor` reports it.
+    """
+    if sys.argv[:1] == ["-m"]:
+        return
+    try:
+        import tensorflow  # noqa: F401
+    except ModuleNotFoundError as error:
+        raise ImportError(
+            "keras_amp_plus needs TensorFlow, which is not installed. Install the "
+            'CPU build with `pip install "keras-amp-plus[cpu]"` (tensorflow-cpu), '
+            "or `tensorflow` (or your accelerator's build) yourself. "
+            f"Received: {error!r}"
+        ) from error
+
+
+_require_tensorflow()
+
+
 def _register_serializables() -> None:
     """Import the layers and the scaler, registering them with Keras's saving.
 

@@ -13,18 +13,23 @@ module only, with a comment saying why.
 
 import contextlib
 import functools
+import re
 
 import keras
 import tensorflow as tf
 
-KERAS_MAJOR = int(keras.__version__.split(".")[0])
+KERAS_VERSION = tuple(int(part) for part in re.findall(r"\d+", keras.__version__)[:2])
+KERAS_MAJOR = KERAS_VERSION[0]
 IS_KERAS_3 = KERAS_MAJOR >= 3
 
-if KERAS_MAJOR < 2 or (KERAS_MAJOR == 2 and keras.__version__ < "2.15"):
+# Keras 3 before 3.10 lacks `Layer.path` (before 3.4) and casts a functional
+# model's inputs where no layer's dtype policy reaches (before 3.10), so a
+# denied layer still overflows there.
+if not (KERAS_VERSION >= (3, 10) or KERAS_VERSION == (2, 15)):
     raise ImportError(
-        "keras_amp_plus needs Keras 3 (TensorFlow >= 2.16) or, on the ITEX stack, "
-        "Keras 2.15 with TensorFlow 2.15. Install `keras>=3.3`, or see the README's "
-        f"ITEX section. Received: keras=={keras.__version__}"
+        "keras_amp_plus needs Keras >= 3.10 (TensorFlow >= 2.16) or, on the ITEX "
+        "stack, Keras 2.15 with TensorFlow 2.15. Install `keras>=3.10`, or see "
+        f"the README's ITEX section. Received: keras=={keras.__version__}"
     )
 
 

@@ -5,6 +5,8 @@ import doctest
 import importlib
 import inspect
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -276,3 +278,25 @@ def test_engines_take_the_lists_config_dict_as_the_monitor_does():
     engine.apply(model, {"deny_layers": ["d"]})
     assert model.get_layer("d").dtype_policy.name == "float32"
     engine.restore()
+
+
+def test_without_tensorflow_the_import_says_what_to_install():
+    # TensorFlow is an extra (a hard tensorflow-cpu would install over a
+    # `tensorflow` or an XPU build): its absence is named, with the fix.
+    script = (
+        "import sys\n"
+        "sys.modules['tensorflow'] = None  # as if not installed\n"
+        "try:\n"
+        "    import keras_amp_plus.layers\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "keras_amp_plus needs TensorFlow" in completed.stdout
+    assert 'pip install "keras-amp-plus[cpu]"' in completed.stdout

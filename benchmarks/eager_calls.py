@@ -2,15 +2,14 @@
 
 Eager calls are how a notebook runs `model(image)` per image, or a decoding
 loop runs `model(tokens)` per token. XLA compiles a kernel per input shape,
-so our layers compile kernels only for shapes called before
-(`keras_amp_plus.layers._eager_shapes`). Two loops, each of `--calls` eager
-calls, forward + backward (a `GradientTape`, as an eager custom training
-loop takes it):
+so our layers run plain ops when called eagerly, compiling nothing. Two
+loops, each of `--calls` eager calls, forward + backward (a `GradientTape`,
+as an eager custom training loop takes it):
 
 - "new shapes": every call at a shape not called before (a sequence one
   step longer, an image one row taller);
-- "one shape": every call at the same shape, new to the process (the first
-  call pays any compilation, included).
+- "one shape": every call at the same shape, new to the process (any
+  compilation included).
 
 Ours and Keras's layer run interleaved, in an order shuffled each round; each
 round uses shapes of its own, so no round reuses another's compilations.

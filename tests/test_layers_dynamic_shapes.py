@@ -353,11 +353,10 @@ print(json.dumps(result))
 """
 
 
-def test_eager_calls_compile_kernels_only_for_shapes_called_again():
-    # A decoding loop or a notebook's `model(image)` called eagerly at new
-    # shapes runs plain ops, compiling nothing; a shape called again compiles
-    # its kernels once (in a process of its own: the kernels' trace counts are
-    # process-wide).
+def test_eager_calls_compile_no_kernel():
+    # A decoding loop or a notebook's `model(image)` called eagerly, at new
+    # shapes or again at one, runs plain ops, compiling nothing (in a process
+    # of its own: the kernels' trace counts are process-wide).
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow"}
     env.pop("KERAS_AMP_PLUS_NORMALIZATION_PATH", None)
     completed = subprocess.run(
@@ -372,8 +371,5 @@ def test_eager_calls_compile_kernels_only_for_shapes_called_again():
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     for attempt in result.values():
         assert max(attempt["largest"].values()) < 1e-5, attempt["largest"]
-    assert result["first"]["traced"] == [0, 0]
-    normalize_traces, swish_traces = result["again"]["traced"]
-    assert normalize_traces == 2 * 20  # a layer norm and an instance norm shape
-    assert swish_traces == 20
-    assert result["third"]["traced"] == result["again"]["traced"]
+    for attempt in ("first", "again", "third"):
+        assert result[attempt]["traced"] == [0, 0]

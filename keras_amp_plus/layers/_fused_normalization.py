@@ -31,7 +31,6 @@ import tensorflow as tf
 from keras_amp_plus import _compat
 from keras_amp_plus.layers import (
     _batch_norm_formula,
-    _eager_shapes,
     _feature_rows,
     _keras_formula,
     _path_choice,
@@ -211,8 +210,10 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
             normalize_rows, x, gamma, beta, stat_axes
         )
 
-    if tf.executing_eagerly() and not _eager_call_compiles(x, gamma, stat_axes):
-        # No compilation for a shape called once (`_eager_shapes`).
+    if tf.executing_eagerly() and not _path_choice.path_is_forced():
+        # Eager calls (a notebook's `model(image)`, a decoding loop) may bring
+        # a new shape each time, and XLA compiles a kernel per shape, which
+        # costs hundreds of calls: plain ops, as Keras's layers run.
         return _keras_formula.normalize_centered(
             x, gamma, beta, epsilon, stat_axes, output_dtype
         )
@@ -251,18 +252,6 @@ def fused_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):
         )
 
     return switch(x, gamma, beta, paths, forward, backward, reference)
-
-
-def _eager_call_compiles(x, gamma, stat_axes) -> bool:
-    """Return whether an eager call on `x` runs the chosen path (the kernels).
-
-    That is from the second call at its shape on, or where the path is
-    forced (`_path_choice.path_is_forced`); the first runs plain ops
-    (`_keras_formula.normalize_centered`).
-    """
-    details = (stat_axes, tuple(gamma.shape))
-    seen = _eager_shapes.seen_before("normalize", x, *details)
-    return seen or _path_choice.path_is_forced()
 
 
 def kernels_normalize(x, gamma, beta, epsilon, stat_axes, output_dtype):

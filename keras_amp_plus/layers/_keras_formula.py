@@ -90,9 +90,9 @@ def normalize_by_reductions(x, gamma, beta, epsilon, stat_axes, output_dtype):
 def normalize_centered(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """Return `(x - mean) * rsqrt(variance + epsilon) * gamma + beta`: plain ops.
 
-    For eager calls at a shape not called before (`_eager_shapes`), which
-    compile nothing: two passes over `x` in `gamma`'s dtype (the variance of
-    the centred values), so inputs far from zero lose nothing to the
+    For eager calls, which may bring a new shape each and compile nothing:
+    two passes over `x` in `gamma`'s dtype (the variance of the centred
+    values), so inputs far from zero lose nothing to the
     cancellation of Keras's form; differentiated by autodiff. The arguments
     are `keras_formula_normalize`'s.
 

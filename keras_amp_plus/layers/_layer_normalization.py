@@ -48,8 +48,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
       a kernel per input shape, so inputs whose length changes from batch to
       batch (`keras.Input((None, features))`) are padded to one of two row
       counts per power of two, bounding the compilations over a whole `fit`
-      (called eagerly, a shape compiles only when it is called again: its
-      first call runs plain ops);
+      (eager calls run plain ops: they compile nothing);
     - with Intel Extension for TensorFlow importable, ITEX's fused layer-norm
       kernel is used for the last axis, for float16 only where a probe found
       it runs on this CPU (ITEX's AVX512 backend has no float16 layer norm on

@@ -49,8 +49,7 @@ def shapes_vary(x) -> bool:
     That is when, at trace time, a dimension other than the batch axis is
     unknown, or the rank is. A model that XLA compiles whole recompiles per
     shape anyway, so there padding would only cost. Eager calls have their
-    shapes: they compile kernels only for shapes called before
-    (`_eager_shapes`), each as it is.
+    shapes, and run plain ops (`fused_normalize`).
     """
     if tf.executing_eagerly():
         return False

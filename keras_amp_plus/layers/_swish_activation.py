@@ -8,7 +8,6 @@ import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus.layers import (
-    _eager_shapes,
     _precision,
     _rounding,
     _row_buckets,
@@ -358,8 +357,8 @@ def _swish_of_varying_shape(x, beta, with_beta_grad):
 def _swish(x, beta, with_beta_grad):
     if _compat.in_xla_compiled_function():
         return _swish_for_xla(x, beta, with_beta_grad)
-    if tf.executing_eagerly() and not _eager_shapes.seen_before("swish", x):
-        # No compilation for a shape called once (`_eager_shapes`).
+    if tf.executing_eagerly():
+        # No XLA kernel per eager call's shape (see `fused_normalize`).
         return _widened_silu(x, beta)
     if _row_buckets.shapes_vary(x):
         return _swish_of_varying_shape(x, beta, with_beta_grad)
@@ -385,13 +384,13 @@ def swish(x, beta=1.0):
     Usable wherever Keras takes an activation (`activation=swish`; configs
     save it under its registered name `"keras_amp_plus>swish"`), and on
     symbolic `keras.Input` tensors while building a functional model. In
-    graph and eager steps the gradient recomputes the sigmoid, so the
+    graph steps the gradient recomputes the sigmoid, so the
     backward pass keeps only `x` (as `tf.nn.silu` does), and forward and
     backward each run as one fused kernel: XLA's, or for bfloat16 with `beta`
     1 in a graph step where TensorFlow's oneDNN kernels are on, oneDNN's
     swish for the forward pass (float32 too where the input's shape varies
-    from step to step). An eager call at a shape not called before runs
-    plain ops instead of compiling a kernel. Inside a `jit_compile=True`
+    from step to step). Eager calls run plain ops, compiling no kernel for
+    each new shape. Inside a `jit_compile=True`
     step it is plain ops, as the `Swish` layer describes.
 
     Args:
@@ -481,8 +480,8 @@ class Swish(keras.layers.Layer):
     """Swish activation layer, `x * sigmoid(beta * x)`, optionally Swish-beta.
 
     Computes in the layer's compute dtype: inputs are cast to it, outputs and
-    input gradients have it, and in graph and eager steps no float32 tensor
-    is ever written to memory.
+    input gradients have it, and in graph steps no float32 tensor is ever
+    written to memory (eager calls run plain ops, as Keras's activation).
     Inside each fused XLA kernel the arithmetic runs in float32 registers (XLA
     widens bfloat16 there anyway), so each result is rounded once; so does
     oneDNN's swish kernel, which runs the bfloat16 forward pass with the
@@ -491,7 +490,7 @@ class Swish(keras.layers.Layer):
     input's length varies). Inside a model compiled with `jit_compile=True`
     the layer is plain ops XLA fuses with its neighbours (float16 with a fixed
     `beta` on a CPU with float16 arithmetic: Keras's formula, in float16, as
-    `Activation("swish")`). In graph and eager steps the
+    `Activation("swish")`). In graph steps the
     gradient recomputes the sigmoid instead of storing it, so a training step
     keeps no more than `Activation("swish")` does. Inside a compiled model
     the backward pass recomputes it only for inputs large enough that this

@@ -1,5 +1,7 @@
 """Bad arguments raise ValueError/TypeError naming the received value."""
 
+import re
+
 import keras
 import pytest
 
@@ -24,6 +26,7 @@ from keras_amp_plus.optimizers import LossScaleOptimizer
         ({"initial_scale": 2.0**30}, "initial_scale=1073741824.0"),
         ({"initial_scale": float("nan")}, "initial_scale=nan"),
         ({"event_buffer_size": 0}, "event_buffer_size=0"),
+        ({"event_buffer_size": 10**9}, "event_buffer_size=1000000000"),
         # float32 rounds these to 0 and to inf: every gradient 0/0, no ceiling.
         ({"min_scale": 1e-50, "initial_scale": 1.0}, "min_scale=1e-50"),
         ({"max_scale": 1e39}, "max_scale=1e\\+39"),
@@ -35,6 +38,28 @@ def test_bad_numbers_raise_value_error_naming_the_value(kwargs, message):
     with pytest.raises(ValueError, match="Received: .*" + message.replace("*", r"\*")):
         LossScaleOptimizer(inner, **kwargs)
     assert inner.loss_scale_factor is None  # nothing was changed
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"initial_scale": "1"},
+        {"min_scale": None},
+        {"growth_factor": True},
+        {"hysteresis": "2"},
+        {"event_buffer_size": [64]},
+    ],
+)
+def test_arguments_that_are_no_numbers_raise_type_error(kwargs):
+    [(name, value)] = kwargs.items()
+    expected = re.escape(f"Received: {name}={value!r} of type")
+    with pytest.raises(TypeError, match=expected):
+        LossScaleOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def test_a_scale_outside_float32_names_an_example_of_itself():
+    with pytest.raises(ValueError, match=r"Use e\.g\. `initial_scale=2\.0\*\*15`"):
+        LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=0.0)
 
 
 @pytest.mark.parametrize("inner", ["adam", None, keras.layers.Dense(1)])

@@ -34,7 +34,29 @@ def check_inner_optimizer(inner_optimizer) -> None:
         )
 
 
+# The largest event ring: each slot holds a mask of every tracked variable,
+# so a ring this long of a model with 1000 variables takes 64 MiB.
+MAX_EVENT_BUFFER_SIZE = 2**16
+
+# An example value of each number, for the messages.
+_EXAMPLES = {
+    "initial_scale": "2.0**15",
+    "min_scale": "1.0",
+    "max_scale": "2.0**24",
+}
+
+
+def _require_number(name: str, value) -> None:
+    """Raise TypeError unless `value` is a real number (not a bool)."""
+    if not is_real(value):
+        raise TypeError(
+            f"`{name}` must be a number. Received: {name}={value!r} of type "
+            f"{type(value).__name__}"
+        )
+
+
 def _check_positive_int(name: str, value) -> None:
+    _require_number(name, value)
     if not is_int(value) or value < 1:
         raise ValueError(
             f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
@@ -42,7 +64,8 @@ def _check_positive_int(name: str, value) -> None:
 
 
 def _check_finite_real(name: str, value) -> None:
-    if not is_real(value) or not math.isfinite(value):
+    _require_number(name, value)
+    if not math.isfinite(value):
         raise ValueError(
             f"`{name}` must be a finite number. Received: {name}={value!r}"
         )
@@ -75,7 +98,7 @@ def check_scale_bounds(initial_scale, min_scale, max_scale) -> None:
                 f"`{name}` must lie in float32's normal range [{lowest:.3g}, "
                 f"{highest:.3g}]: the loss scale is a float32 variable, where "
                 "a smaller value rounds to 0 and a larger one to inf. Use e.g. "
-                f"`min_scale=1.0`, `max_scale=2.0**24`. Received: {name}={value!r}"
+                f"`{name}={_EXAMPLES[name]}`. Received: {name}={value!r}"
             )
     if min_scale > max_scale:
         raise ValueError(
@@ -121,5 +144,13 @@ def check_on_min_scale(on_min_scale) -> None:
 
 
 def check_event_buffer_size(event_buffer_size) -> None:
-    """Raise ValueError unless the event ring buffer has at least one slot."""
+    """Raise unless the event ring has 1 to `MAX_EVENT_BUFFER_SIZE` slots."""
     _check_positive_int("event_buffer_size", event_buffer_size)
+    if event_buffer_size > MAX_EVENT_BUFFER_SIZE:
+        raise ValueError(
+            f"`event_buffer_size` must be at most {MAX_EVENT_BUFFER_SIZE}: each "
+            "slot holds a mask of every variable, in memory the whole run. Read "
+            "the events more often (AMPMonitor reads them every "
+            "`read_every_steps`) rather than keeping more. "
+            f"Received: event_buffer_size={event_buffer_size!r}"
+        )

@@ -503,8 +503,13 @@ def test_doctor_json_on_this_machine(tmp_path):
         "layer_paths",
         "swish_sigmoid",
         "xla_sums",
+        "cache",
         "recommendation",
     }
+    assert facts["cache"] == {"dir": str(tmp_path), "writable": True}
+    # The first run says it measures, for minutes, and where it keeps them.
+    assert "measuring the layers' paths on this CPU" in completed.stderr
+    assert f"kept in {tmp_path} for later runs" in completed.stderr
     jit_probe = facts["jit_probe"]
     assert jit_probe["policy"] == facts["recommendation"]["policy"]
     assert jit_probe["speedup"] == pytest.approx(
@@ -569,3 +574,18 @@ def test_onednn_status_follows_env(setting, expected):
     )
     status = ast.literal_eval(completed.stdout.strip())
     assert status == {"enabled": expected, "TF_ENABLE_ONEDNN_OPTS": setting}
+
+
+def test_cache_status_says_where_and_whether_it_can_write(tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_features.CACHE_DIR_VARIABLE, str(tmp_path / "cache"))
+    assert doctor.cache_status() == {"dir": str(tmp_path / "cache"), "writable": True}
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")  # no directory can be made under a file, even as root
+    monkeypatch.setenv(cpu_features.CACHE_DIR_VARIABLE, str(blocked / "cache"))
+    status = doctor.cache_status()
+    assert status == {"dir": str(blocked / "cache"), "writable": False}
+    facts = _facts({"features": None})
+    facts["cache"] = status
+    text = doctor_text.render(facts)
+    assert f"Cache           {blocked / 'cache'} is not writable: every run" in text
+    assert "set KERAS_AMP_PLUS_CACHE_DIR to a writable directory" in text

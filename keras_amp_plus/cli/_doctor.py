@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 
 from keras_amp_plus import _bfloat16_outlook, _hardware
 from keras_amp_plus.cli import (
@@ -156,6 +157,45 @@ def fit_xla_status() -> dict:
 # in two passes: on a 2-core Intel Xeon Ice Lake, the slowest CPU measured,
 # the first pass took 45 s and the second reached 38 of the 40 cells).
 LAYER_PATHS_BUDGET_FACTOR = 40
+
+
+def cache_status() -> dict:
+    """Return where the measurements are cached and whether they can be.
+
+    Returns:
+        `{"dir", "writable"}`: the cache directory (`_hardware.cache_dir`)
+        and whether a file can be written there (created if missing).
+
+    Example:
+    >>> sorted(cache_status())
+    ['dir', 'writable']
+    """
+    directory = _hardware.cache_dir()
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            writable = True
+    except OSError:
+        writable = False
+    return {"dir": directory, "writable": writable}
+
+
+def _say_first_measurement(cache: dict) -> None:
+    """Say on stderr that the layers are measured now, the first run's minutes."""
+    from keras_amp_plus.layers import _path_calibration
+
+    if _path_calibration.cached_cells():
+        return
+    where = (
+        f"kept in {cache['dir']} for later runs"
+        if cache["writable"]
+        else f"{cache['dir']} is not writable, so every run measures again"
+    )
+    print(
+        "keras_amp_plus doctor: measuring the layers' paths on this CPU "
+        f"(a few minutes, once per CPU model and TensorFlow version; {where})",
+        file=sys.stderr,
+    )
 
 
 def _skipped_with_itex(itex: dict | None, **empty) -> dict | None:
@@ -318,8 +358,12 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
     from keras_amp_plus.cli import _jit_probe
 
     stack = versions()
+    cache = cache_status()
+    if not stack["itex"].get("importable"):
+        _say_first_measurement(cache)
     facts = {
         "versions": stack,
+        "cache": cache,
         "onednn": onednn_status(),
         "cpu": cpu_status(),
         "devices": device_list(),

@@ -169,6 +169,18 @@ def _xla_sums_line(xla_sums: dict | None) -> str:
     return f"batched products won at {', '.join(parts)} sizes ({when})"
 
 
+def _cache_line(cache: dict | None) -> str:
+    """Return where the measurements are cached, or why they are not."""
+    if cache is None:
+        return "unknown"
+    if cache["writable"]:
+        return f"{cache['dir']} (per CPU model and TensorFlow version)"
+    return (
+        f"{cache['dir']} is not writable: every run measures again (set "
+        f"{_hardware.CACHE_DIR_VARIABLE} to a writable directory)"
+    )
+
+
 def _unmeasured_line(status: dict | None) -> str | None:
     """Return why a race's `status` holds no measurement, or None if it may."""
     if status is None:
@@ -211,6 +223,7 @@ def render(facts: dict) -> str:
         ("Layer paths", _layer_paths_line(facts.get("layer_paths"))),
         ("Swish in XLA", _swish_sigmoid_line(facts.get("swish_sigmoid"))),
         ("IN sums in XLA", _xla_sums_line(facts.get("xla_sums"))),
+        ("Cache", _cache_line(facts.get("cache"))),
     ]
     lines = ["keras_amp_plus doctor", ""]
     lines += [f"  {label:<16}{value}" for label, value in rows]

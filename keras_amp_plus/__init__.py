@@ -43,6 +43,19 @@ def __getattr__(name):
     return value
 
 
+def _running_the_command_line() -> bool:
+    """Return whether this process is `python -m keras_amp_plus ...`.
+
+    Not `python -m` of another package that imports this one (`sys.argv[0]`
+    is "-m" while any `-m` target's parent packages are imported).
+    """
+    arguments = getattr(sys, "orig_argv", [])
+    if "-m" not in arguments[:-1]:
+        return False
+    module = arguments[arguments.index("-m") + 1]
+    return module == "keras_amp_plus" or module.startswith("keras_amp_plus.")
+
+
 def _require_tensorflow() -> None:
     """Raise ImportError, saying what to install, where TensorFlow is missing.
 
@@ -51,7 +64,7 @@ def _require_tensorflow() -> None:
     there, so it is the `[cpu]` extra. Not under `python -m keras_amp_plus`,
     whose `doctor` reports it.
     """
-    if sys.argv[:1] == ["-m"]:
+    if _running_the_command_line():
         return
     try:
         import tensorflow  # noqa: F401
@@ -75,11 +88,10 @@ def _register_serializables() -> None:
     does `import keras_amp_plus` and loads a `.keras` file needs them
     registered at import. Not under `python -m keras_amp_plus` (the command
     line, whose `doctor` reports a broken TensorFlow or another Keras backend
-    instead of failing on it; while `-m` imports the package, `sys.argv[0]`
-    is "-m"), and not where the import fails: then using a name raises the
-    error, as before.
+    instead of failing on it), and not where the import fails: then using a
+    name raises the error, as before.
     """
-    if sys.argv[:1] == ["-m"]:
+    if _running_the_command_line():
         return
     try:
         importlib.import_module("keras_amp_plus.layers")

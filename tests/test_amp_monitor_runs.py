@@ -214,7 +214,8 @@ def test_no_layer_is_left_moved_back_without_a_trial(tmp_path, stopper):
     # At patience 1, `hot` (denied after epoch 0) moves back at epoch 1's
     # end. If no epoch follows, the model must not be left with it in the
     # precision it overflowed in: not moved (the last epoch, or a callback
-    # before the monitor stopped the fit), or taken back (one after it).
+    # before the monitor stopped the fit), or taken back (one after it); the
+    # next fit tries it from its first epoch.
     model = overflow_model("mixed_float16")
     monitor = AMPMonitor(str(tmp_path), patience=1, cooldown=0)
     callbacks = {
@@ -232,7 +233,6 @@ def test_no_layer_is_left_moved_back_without_a_trial(tmp_path, stopper):
         assert "ended before its trial" in changes[-1]["reason"]
     else:
         assert moves == [(0, None, "deny")]
-    # Its clean epochs still count: the next fit tries it after one epoch.
     train(model, [monitor], epochs=2)
     moves = [
         (c["epoch"], c["to"])
@@ -241,6 +241,22 @@ def test_no_layer_is_left_moved_back_without_a_trial(tmp_path, stopper):
     ]
     assert moves[-1] == (2, "allow")
     assert model.get_layer("hot").compute_dtype == "float16"
+
+
+def test_a_loop_of_one_epoch_fits_tries_a_denied_layer_again(tmp_path):
+    # Every epoch of a one-epoch fit is its last: the move back decided at
+    # the end of one waits for the next fit's first epoch.
+    model = overflow_model("mixed_float16")
+    monitor = AMPMonitor(str(tmp_path), patience=1, cooldown=0)
+    dtypes = []
+    for _ in range(3):
+        train(model, [monitor, CalmDown()], epochs=1)
+        dtypes.append(model.get_layer("hot").compute_dtype)
+    assert dtypes == ["float32", "float32", "float16"]
+    changes = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "list_change"]
+    moves = [(c["epoch"], c["from"], c["to"]) for c in changes]
+    assert moves == [(0, None, "deny"), (2, "deny", "allow")]
+    assert "decided when the last fit ended" in changes[-1]["reason"]
 
 
 def test_early_stopping_on_loss_keeps_a_run_with_sporadic_overflows():

@@ -82,6 +82,22 @@ def test_normalizations_take_integer_inputs_as_keras_does(layer):
         layer()(np.ones((2, 3, 4), "complex64"))
 
 
+@pytest.mark.parametrize("layer", NORMALIZATIONS)
+@pytest.mark.parametrize("policy", ("mixed_float16", "mixed_bfloat16"))
+def test_integer_inputs_keep_their_values_under_mixed_policies(layer, policy):
+    # Cast to float16 first, 70000 would be inf; to bfloat16, 1001 rounds.
+    x = np.array([[[70000], [70001], [70003]], [[1000], [1001], [1003]]], "int32")
+    # Statistics over axis 1: layer norm's axis, instance norm's spatial one.
+    axis = {"axis": 1} if layer is layers.LayerNormalization else {}
+    normalize = layer(epsilon=1e-3, dtype=policy, **axis)
+    outputs = np.asarray(normalize(x)).astype(np.float64)
+    x64 = x.astype(np.float64)
+    expected = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(
+        x64.var(1, keepdims=True) + 1e-3
+    )
+    np.testing.assert_allclose(outputs, expected, rtol=1e-2, atol=1e-2)
+
+
 def test_undefined_weight_axis_raises():
     import keras
 
@@ -124,3 +140,11 @@ def test_swish_non_bool_trainable_beta_raises(trainable_beta):
 def test_swish_function_non_numeric_beta_raises(beta):
     with pytest.raises(TypeError, match="Received: beta="):
         layers.swish(np.array([1.0, 2.0], "float32"), beta=beta)
+
+
+def test_swish_function_refuses_a_beta_per_channel():
+    # Its gradient would be summed to one number for every channel.
+    import tensorflow as tf
+
+    with pytest.raises(ValueError, match=r"Received: beta\.shape=\(3,\)"):
+        layers.swish(np.ones((2, 3), "float32"), beta=tf.Variable([0.5, 1.0, 2.0]))

@@ -300,3 +300,26 @@ def test_without_tensorflow_the_import_says_what_to_install():
     )
     assert "keras_amp_plus needs TensorFlow" in completed.stdout
     assert 'pip install "keras-amp-plus[cpu]"' in completed.stdout
+
+
+def test_a_package_run_with_dash_m_that_imports_this_one_registers_the_layers(
+    tmp_path,
+):
+    # `python -m project.train` imports `project` while `sys.argv[0]` is
+    # "-m": only `python -m keras_amp_plus` (the command line) skips it.
+    package = tmp_path / "project"
+    package.mkdir()
+    (package / "__init__.py").write_text("import keras_amp_plus\n")
+    (package / "train.py").write_text(
+        "import keras\n"
+        "print(keras.saving.get_registered_object('keras_amp_plus>Swish'))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-m", "project.train"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "Swish" in completed.stdout.splitlines()[-1]

@@ -111,9 +111,7 @@ class AdaptationRule:
         self.scores = scores
         return scores
 
-    def decide(
-        self, epoch: int, evidence: dict, denied: set, may_return: bool = True
-    ) -> list[Decision]:
+    def decide(self, epoch: int, evidence: dict, denied: set) -> list[Decision]:
         """Return the moves for the epoch that just ended.
 
         Args:
@@ -121,9 +119,6 @@ class AdaptationRule:
             evidence: `{layer: number of trusted attributed events}` for the
                 epoch (`evidence(events)`).
             denied: the layer paths currently in float32 by any list.
-            may_return: whether a layer may move back: not when no epoch
-                follows to try it (the last one of a `fit`). Defaults to
-                `True`.
 
         Example:
         >>> rule = AdaptationRule()
@@ -159,8 +154,7 @@ class AdaptationRule:
             self.clean_epochs[layer] = clean
             wait = self.wait_epochs(layer)
             if (
-                may_return
-                and self.denials[layer] <= self.max_retries
+                self.denials[layer] <= self.max_retries
                 and clean >= wait
                 and self._cooled_down(epoch)
             ):
@@ -175,37 +169,6 @@ class AdaptationRule:
                     )
                 )
         return decisions
-
-    def take_back(self, returned: Decision, last_return_epoch) -> Decision:
-        """Undo `returned`, a move back whose trial epoch never ran.
-
-        The layer is denied again with its clean epochs counted, so the
-        first epoch end of a later `fit` moves it back for its trial.
-
-        Args:
-            returned: the `"allow"` decision `decide` made.
-            last_return_epoch: `last_return_epoch` before that `decide`.
-
-        Returns:
-            The `"deny"` decision that undoes it.
-
-        Example:
-        >>> rule = AdaptationRule(patience=1, cooldown=0)
-        >>> _ = rule.decide(0, {"dense": 2}, denied=set())
-        >>> [returned] = rule.decide(1, {}, denied={"dense"})
-        >>> rule.take_back(returned, None).to
-        'deny'
-        """
-        clean = returned.evidence["clean_epochs"]
-        self.clean_epochs[returned.layer] = clean
-        self.last_return_epoch = last_return_epoch
-        return Decision(
-            returned.layer,
-            "deny",
-            "the fit ended before its trial in low precision (moved back "
-            "at its last epoch's end)",
-            {"clean_epochs": clean},
-        )
 
     def wait_epochs(self, layer: str) -> int:
         """Clean epochs `layer` must wait in float32 before it may move back."""

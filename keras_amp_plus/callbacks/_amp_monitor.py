@@ -78,9 +78,9 @@ class AMPMonitor(keras.callbacks.Callback):
     `LossScaleOptimizer.guard`. With `adapt=True`, at each epoch end, a layer
     whose accumulated evidence reaches `deny_threshold` moves to the deny
     list, and a denied layer moves back after `patience` clean epochs (see
-    the arguments), through the engine: only at an epoch end another epoch
-    of the `fit` follows, to try it (a move made when a callback after the
-    monitor stops the `fit` there is taken back). NaN results of `fit`'s
+    the arguments), through the engine, for an epoch of the same `fit` to
+    try it: a move decided at the last epoch (or when a callback stops the
+    `fit`) waits for the first epoch of the model's next `fit`. NaN results of `fit`'s
     validation, which runs before the monitor denies a layer, read as their
     worst values, as a skipped epoch's metrics do (`exclude_skipped_steps`),
     with a warning.

@@ -17,6 +17,7 @@ from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import _checks as checks
 from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks import _state as state_module
+from keras_amp_plus.callbacks._adaptation import Decision
 from keras_amp_plus.callbacks._attribution import LayerIndex
 from keras_amp_plus.callbacks._event_collector import EventCollector
 from keras_amp_plus.callbacks._event_log import (
@@ -179,8 +180,8 @@ class MonitorSession:
         self.started = False
         self.epoch = 0
         self.epoch_events = []
-        # The layers moved back at the last epoch end, and the rule's last
-        # return before: taken back if no epoch tries them.
+        # The layers moved back at the last epoch end: taken back, and
+        # deferred to the next fit, if no epoch of this one tries them.
         self.untried_returns = None
         self._written_scalars = None
         self.snapshots = {}
@@ -231,6 +232,7 @@ class MonitorSession:
         self.log.open(keep_lines=state.jsonl_lines if continuing else None)
         # A graph engine switches its rewrite on even with empty lists.
         self.engine.start(self.model, memory.lists)
+        self._apply_pending_returns(epoch)
         self._log_lists(state.epoch_offset + epoch)
         self.started = True
 
@@ -340,6 +342,8 @@ class MonitorSession:
                 self.abort()
                 raise
         self.recorder.begin_epoch()
+        # A validation stopped by Ctrl-C never reached `on_test_end`.
+        self.recorder.validating = False
         self.epoch = epoch
         self.untried_returns = None  # this epoch tries them
         self.epoch_events = []
@@ -631,23 +635,66 @@ class MonitorSession:
     def adapt(self, epoch, evidence) -> list:
         """Apply the adaptation rule; return the list changes made.
 
-        No layer moves back where no epoch of this `fit` follows to try it:
-        at its last epoch, or once a callback before the monitor stopped it.
+        A layer moved back is tried in the epoch that follows. Where no
+        epoch of this `fit` follows (its last, or once a callback before the
+        monitor stopped it) the move waits for the first epoch of the
+        model's next `fit` (`_defer_returns`): the model `fit` returns never
+        holds a layer in the precision it overflowed in, untried, and a loop
+        of one-epoch `fit`s still tries it.
         """
         memory = self.memory
         denied = self.editor.denied_layers(self.model, memory.lists)
-        epochs = (self.monitor.params or {}).get("epochs")
-        last_epoch = epochs is not None and epoch + 1 >= epochs
-        may_return = not (last_epoch or self.model.stop_training)
-        last_return = memory.rule.last_return_epoch
         # Record epochs: the rule's memory (last return, clean epochs) spans
         # fits, which each number their epochs from 0.
-        decisions = memory.rule.decide(
-            self.record_epoch(epoch), evidence, denied, may_return
-        )
+        decisions = memory.rule.decide(self.record_epoch(epoch), evidence, denied)
         returns = [decision for decision in decisions if decision.to == "allow"]
-        self.untried_returns = (returns, last_return) if returns else None
+        if returns and self._no_epoch_follows(epoch):
+            self._defer_returns(epoch, returns)
+            decisions = [d for d in decisions if d.to != "allow"]
+            returns = []
+        self.untried_returns = returns or None
         return self._apply_decisions(epoch, decisions)
+
+    def _no_epoch_follows(self, epoch: int) -> bool:
+        """Return whether `epoch` is this `fit`'s last (or it was stopped)."""
+        epochs = (self.monitor.params or {}).get("epochs")
+        return self.model.stop_training or (epochs is not None and epoch + 1 >= epochs)
+
+    def _defer_returns(self, epoch: int, returns) -> None:
+        """Keep `returns` for the first epoch of the model's next `fit`."""
+        pending = self.memory.state.adaptation.setdefault("pending_returns", [])
+        for decision in returns:
+            pending.append(
+                {
+                    "layer": decision.layer,
+                    "reason": decision.reason,
+                    "evidence": decision.evidence,
+                }
+            )
+            logger.info(
+                "AMPMonitor epoch %d: layer %r earned low precision back (%s); "
+                "no epoch of this fit follows to try it, so the next fit does.",
+                epoch,
+                decision.layer,
+                decision.reason,
+            )
+
+    def _apply_pending_returns(self, epoch: int) -> None:
+        """Move back the layers deferred by the last `fit` (`_defer_returns`)."""
+        pending = self.memory.state.adaptation.pop("pending_returns", [])
+        decisions = [
+            Decision(
+                entry["layer"],
+                "allow",
+                f"{entry['reason']}, decided when the last fit ended",
+                entry["evidence"],
+            )
+            for entry in pending
+        ]
+        changes = self._apply_decisions(epoch, decisions)
+        if changes:
+            step = self.memory.state.epoch_offset + epoch
+            self.log.text("amp/changes", changes_markdown(changes), step)
 
     def take_back_untried_returns(self) -> None:
         """Deny again the layers moved back at an epoch end no epoch followed.
@@ -655,14 +702,25 @@ class MonitorSession:
         A callback after the monitor (`EarlyStopping`) may stop the `fit` at
         the epoch end that moved a layer back: the model would be left with
         the layer in a precision it overflowed in and no epoch tried again
-        (`evaluate` and `predict` could give NaN).
+        (`evaluate` and `predict` could give NaN). The move waits for the
+        model's next `fit`, as at a last epoch (`_defer_returns`).
         """
         if self.untried_returns is None:
             return
-        returns, last_return = self.untried_returns
+        returns = self.untried_returns
         self.untried_returns = None
-        decisions = [self.memory.rule.take_back(d, last_return) for d in returns]
-        changes = self._apply_decisions(self.epoch, decisions)
+        denials = [
+            Decision(
+                d.layer,
+                "deny",
+                "the fit ended before its trial in low precision; the next "
+                "fit tries it",
+                {},
+            )
+            for d in returns
+        ]
+        changes = self._apply_decisions(self.epoch, denials)
+        self._defer_returns(self.epoch, returns)
         step = self.memory.state.epoch_offset + self.epoch
         self.log.text("amp/changes", changes_markdown(changes), step)
         self._log_lists(step + 1)

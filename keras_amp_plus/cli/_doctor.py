@@ -181,7 +181,10 @@ def cache_status() -> dict:
 
 
 def _say_first_measurement(cache: dict) -> None:
-    """Say on stderr that the layers are measured now, the first run's minutes."""
+    """Say on stderr that the layers are measured now, the first run's minutes.
+
+    The path race takes most of them; the other races are cached with it.
+    """
     from keras_amp_plus.layers import _path_calibration
 
     if _path_calibration.cached_cells():
@@ -193,7 +196,8 @@ def _say_first_measurement(cache: dict) -> None:
     )
     print(
         "keras_amp_plus doctor: measuring the layers' paths on this CPU "
-        f"(a few minutes, once per CPU model and TensorFlow version; {where})",
+        "(a few minutes, once per CPU model, TensorFlow version and oneDNN "
+        f"setting; {where})",
         file=sys.stderr,
     )
 

@@ -174,7 +174,7 @@ def _cache_line(cache: dict | None) -> str:
     if cache is None:
         return "unknown"
     if cache["writable"]:
-        return f"{cache['dir']} (per CPU model and TensorFlow version)"
+        return f"{cache['dir']} (per CPU model, TensorFlow version and oneDNN)"
     return (
         f"{cache['dir']} is not writable: every run measures again (set "
         f"{_hardware.CACHE_DIR_VARIABLE} to a writable directory)"

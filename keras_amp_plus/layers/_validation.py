@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_amp_plus import _compat
+from keras_amp_plus.layers import _precision
 
 
 def check_epsilon(epsilon) -> float:
@@ -57,6 +58,14 @@ def check_swish_beta(beta, allow_tensors: bool):
             f"`beta` must be {expected}, the scale of the sigmoid's input. "
             f"Pass a number such as 1.0. Received: beta={beta!r} of type "
             f"{type(beta).__name__}"
+        )
+    if not is_number and beta.shape.rank != 0:
+        # Its gradient is summed to one number: a beta per channel would get
+        # every channel's sum.
+        raise ValueError(
+            "`beta` must be a scalar: one scale of the sigmoid's input. For a "
+            "learned one, use `keras_amp_plus.layers.Swish(trainable_beta=True)`. "
+            f"Received: beta.shape={tuple(beta.shape)}"
         )
     if is_number and not math.isfinite(beta):
         raise ValueError(
@@ -123,21 +132,23 @@ def check_float_input(inputs, layer_name: str, argument: str = "inputs") -> None
 
 
 def as_float_input(inputs, layer_name: str, compute_dtype):
-    """Return float `inputs` as they are, integer ones cast to `compute_dtype`.
+    """Return float `inputs` as they are, integer ones in their statistics' dtype.
 
-    As Keras's normalization layers take them (`keras.Input(dtype="int32")`
-    features); any other dtype raises TypeError.
+    Keras's normalization layers take integers (`keras.Input(dtype="int32")`
+    features) and compute them in float32; cast to a half-precision compute
+    dtype first, values above 65504 (float16) would be inf and above 256
+    (bfloat16) rounded. Any other dtype raises TypeError.
 
     Example:
     >>> import tensorflow as tf
-    >>> as_float_input(tf.constant([1, 2]), "LayerNormalization", "float32").dtype
+    >>> as_float_input(tf.constant([1, 2]), "LayerNormalization", "float16").dtype
     tf.float32
     """
     dtype = _compat.standardize_dtype(inputs.dtype)
     if "float" in dtype:
         return inputs
     if "int" in dtype or dtype == "bool":
-        return tf.cast(inputs, compute_dtype)
+        return tf.cast(inputs, _precision.statistics_dtype(compute_dtype))
     raise TypeError(
         f"{layer_name} accepts floating-point and integer inputs only. Cast the "
         "input to a float dtype first (e.g. `keras.ops.cast(x, 'float32')`). "

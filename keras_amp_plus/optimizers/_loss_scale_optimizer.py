@@ -79,7 +79,7 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
             action runs at the next `overflow_summary()`, `read_events()` or
             `check_min_scale()` call, raising `RuntimeError` for `"raise"`.
             Defaults to `"warn"`.
-        event_buffer_size: int >= 1, capacity of the event ring buffer.
+        event_buffer_size: int from 1 to 65536, capacity of the event ring buffer.
             Defaults to `64`.
         name: optional name. Defaults to `None`.
 

@@ -692,9 +692,8 @@ class MonitorSession:
             for entry in pending
         ]
         changes = self._apply_decisions(epoch, decisions)
-        if changes:
-            step = self.memory.state.epoch_offset + epoch
-            self.log.text("amp/changes", changes_markdown(changes), step)
+        # `start` writes the lists of this epoch next.
+        self._log_changes(epoch, changes, lists_follow=False)
 
     def take_back_untried_returns(self) -> None:
         """Deny again the layers moved back at an epoch end no epoch followed.
@@ -721,10 +720,21 @@ class MonitorSession:
         ]
         changes = self._apply_decisions(self.epoch, denials)
         self._defer_returns(self.epoch, returns)
-        step = self.memory.state.epoch_offset + self.epoch
-        self.log.text("amp/changes", changes_markdown(changes), step)
-        self._log_lists(step + 1)
+        self._log_changes(self.epoch, changes)
         self._snapshot(self.epoch)
+
+    def _log_changes(self, epoch: int, changes, lists_follow: bool = True) -> None:
+        """Write `changes` (made at `epoch`'s end) to TensorBoard's text.
+
+        With `lists_follow`, also the lists they put in force from the next
+        epoch on (`amp/lists`).
+        """
+        if not changes:
+            return
+        step = self.memory.state.epoch_offset + epoch
+        self.log.text("amp/changes", changes_markdown(changes), step)
+        if lists_follow:
+            self._log_lists(step + 1)
 
     def _apply_decisions(self, epoch, decisions) -> list:
         """Move the layers of `decisions`, log each move; return the changes."""
@@ -814,12 +824,7 @@ class MonitorSession:
         if logs is not None:
             logs["overflow_events"] = len(events)
         if self.monitor.adapt:
-            changes = self.adapt(epoch, evidence)
-            if changes:
-                step = memory.state.epoch_offset + epoch
-                self.log.text("amp/changes", changes_markdown(changes), step)
-                # The new lists take effect from the next epoch.
-                self._log_lists(step + 1)
+            self._log_changes(epoch, self.adapt(epoch, evidence))
         self._forget_calm_layers(events)
         if logs is not None and self.loss_scale() is not None:
             # After `adapt`, which may have put the scale back.

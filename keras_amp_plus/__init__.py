@@ -50,10 +50,39 @@ def _running_the_command_line() -> bool:
     is "-m" while any `-m` target's parent packages are imported).
     """
     arguments = getattr(sys, "orig_argv", [])
-    if "-m" not in arguments[:-1]:
+    module = _module_argument(arguments[1:])
+    if module is None:
         return False
-    module = arguments[arguments.index("-m") + 1]
     return module == "keras_amp_plus" or module.startswith("keras_amp_plus.")
+
+
+def _module_argument(options: list) -> str | None:
+    """Return the module of Python's `-m` option in `options`, or None.
+
+    `options` are the interpreter's arguments after its name: `-m mod`,
+    `-mmod` and flags grouped with it (`-Bm mod`) name a module; a script or
+    `-c` ends the interpreter's options. `-W` and `-X` take a value.
+    """
+    position = 0
+    while position < len(options):
+        option = options[position]
+        position += 1
+        if option == "--" or not option.startswith("-") or option == "-":
+            return None
+        if option.startswith("--"):
+            position += option == "--check-hash-based-pycs"  # takes a value
+            continue
+        for index, flag in enumerate(option[1:], start=1):
+            rest = option[index + 1 :]
+            if flag == "c":
+                return None
+            if flag in "mWX":
+                value = rest or (options[position] if position < len(options) else None)
+                position += not rest
+                if flag == "m":
+                    return value
+                break
+    return None
 
 
 def _require_tensorflow() -> None:
@@ -69,6 +98,8 @@ def _require_tensorflow() -> None:
     try:
         import tensorflow  # noqa: F401
     except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] != "tensorflow":
+            raise  # TensorFlow is there; something it imports is not
         raise ImportError(
             "keras_amp_plus needs TensorFlow, which is not installed. Install the "
             'CPU build with `pip install "keras-amp-plus[cpu]"` (tensorflow-cpu), '

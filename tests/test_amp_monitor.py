@@ -10,6 +10,7 @@ import logging
 import os
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import (
@@ -300,6 +301,55 @@ class CustomStepModel(keras.Model):
         gradients = tape.gradient(scaled, self.trainable_variables)
         self.optimizer.apply(gradients, self.trainable_variables)
         return {"loss": loss}
+
+
+class BatchLosses(keras.callbacks.Callback):
+    """Keep every batch's logged loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+@pytest.mark.parametrize("jit_compile", (False, True))
+def test_custom_train_step_logs_of_its_own_are_left_alone(tmp_path, jit_compile):
+    # The step returns its own loss under the name of the compiled loss
+    # tracker, which it never updates: no step is skipped, so the monitor
+    # changes nothing (not 0.0 per batch, not `inf` for the epoch).
+    keras.config.set_dtype_policy("float32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = CustomStepModel(inputs, keras.layers.Dense(1, name="head")(inputs))
+    model.compile(
+        LossScaleOptimizer(keras.optimizers.SGD(0.01), on_min_scale="ignore"),
+        jit_compile=jit_compile,
+    )
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = np.ones((32, 1), "float32")
+    kernel, bias = (np.float64(w) for w in model.get_layer("head").get_weights())
+    batches = BatchLosses()
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[AMPMonitor(str(tmp_path)), batches],
+    )
+    expected = []  # float64 SGD on the two batches
+    for start in (0, 16):
+        xb, yb = x[start : start + 16].astype("float64"), y[start : start + 16]
+        error = xb @ kernel + bias - yb
+        expected.append(np.mean(error**2))
+        kernel = kernel - 0.01 * 2 * xb.T @ error / error.size
+        bias = bias - 0.01 * 2 * error.sum(axis=0) / error.size
+    assert int(model.optimizer.overflow_count) == 0
+    np.testing.assert_allclose(batches.losses, expected, rtol=1e-5)
+    assert np.isfinite(history.history["loss"][0])
 
 
 def test_custom_train_step_forward_overflow_is_still_replayed(tmp_path):

@@ -20,6 +20,7 @@ from conftest import (
     read_tensorboard,
     regression_data,
     scalar_series,
+    text_values,
     train,
 )
 
@@ -211,11 +212,11 @@ class CalmDown(keras.callbacks.Callback):
 
 @pytest.mark.parametrize("stopper", ("last epoch", "before", "after"))
 def test_no_layer_is_left_moved_back_without_a_trial(tmp_path, stopper):
-    # At patience 1, `hot` (denied after epoch 0) moves back at epoch 1's
-    # end. If no epoch follows, the model must not be left with it in the
-    # precision it overflowed in: not moved (the last epoch, or a callback
-    # before the monitor stopped the fit), or taken back (one after it); the
-    # next fit tries it from its first epoch.
+    # At patience 1, `hot` (denied after epoch 0) earns low precision back at
+    # epoch 1's end; it moves at the first step of the next epoch. If no epoch
+    # follows (the last one, or a callback before or after the monitor
+    # stopped the fit), the model keeps it in float32; the next fit's first
+    # step moves it.
     model = overflow_model("mixed_float16")
     monitor = AMPMonitor(str(tmp_path), patience=1, cooldown=0)
     callbacks = {
@@ -226,26 +227,20 @@ def test_no_layer_is_left_moved_back_without_a_trial(tmp_path, stopper):
     train(model, callbacks, epochs=2 if stopper == "last epoch" else 5)
     assert model.get_layer("hot").compute_dtype == "float32"
     assert monitor.lists.deny_layers == ("hot",)
+    assert [e["layer"] for e in monitor.state.adaptation["pending_returns"]] == ["hot"]
     changes = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "list_change"]
-    moves = [(c["epoch"], c["from"], c["to"]) for c in changes]
-    if stopper == "after":
-        assert moves == [(0, None, "deny"), (1, "deny", "allow"), (1, "allow", "deny")]
-        assert "ended before its trial" in changes[-1]["reason"]
-    else:
-        assert moves == [(0, None, "deny")]
+    assert [(c["epoch"], c["from"], c["to"]) for c in changes] == [(0, None, "deny")]
     train(model, [monitor], epochs=2)
-    moves = [
-        (c["epoch"], c["to"])
-        for c in read_jsonl(str(tmp_path))
-        if c["type"] == "list_change"
-    ]
-    assert moves[-1] == (2, "allow")
+    changes = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "list_change"]
+    # Named by the epoch whose end decided it, as a denial is.
+    assert [(c["epoch"], c["to"]) for c in changes][-1] == (1, "allow")
     assert model.get_layer("hot").compute_dtype == "float16"
+    assert monitor.state.adaptation["pending_returns"] == []
 
 
 def test_a_loop_of_one_epoch_fits_tries_a_denied_layer_again(tmp_path):
     # Every epoch of a one-epoch fit is its last: the move back decided at
-    # the end of one waits for the next fit's first epoch.
+    # the end of one happens at the next fit's first step.
     model = overflow_model("mixed_float16")
     monitor = AMPMonitor(str(tmp_path), patience=1, cooldown=0)
     dtypes = []
@@ -255,8 +250,101 @@ def test_a_loop_of_one_epoch_fits_tries_a_denied_layer_again(tmp_path):
     assert dtypes == ["float32", "float32", "float16"]
     changes = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "list_change"]
     moves = [(c["epoch"], c["from"], c["to"]) for c in changes]
-    assert moves == [(0, None, "deny"), (2, "deny", "allow")]
-    assert "decided when the last fit ended" in changes[-1]["reason"]
+    assert moves == [(0, None, "deny"), (1, "deny", "allow")]
+    assert "clean epochs in float32" in changes[-1]["reason"]
+
+
+def test_a_checkpoint_saved_when_a_layer_earns_its_way_back_continues_the_lists(
+    tmp_path,
+):
+    # The move back waits for the next epoch's first step, so a checkpoint
+    # saved at the epoch end that decided it (a callback after the monitor)
+    # holds `hot` in float32, as the state file records: a new monitor on
+    # the reloaded model continues the lists and moves `hot` back.
+    log_dir, checkpoint = str(tmp_path / "logs"), str(tmp_path / "model.keras")
+    model = overflow_model("mixed_float16")
+    monitor = AMPMonitor(log_dir, patience=1, cooldown=0)
+    saver = keras.callbacks.ModelCheckpoint(checkpoint)
+    train(model, [monitor, CalmDown(), saver, StopAfterEpoch(1)], epochs=5)
+    reloaded = keras.saving.load_model(checkpoint)
+    assert reloaded.get_layer("hot").compute_dtype == "float32"
+    again = AMPMonitor(log_dir, patience=1, cooldown=0)
+    train(reloaded, [again], epochs=1)
+    assert reloaded.get_layer("hot").compute_dtype == "float16"
+    assert again.lists.allow_layers == ("hot",) and again.lists.deny_layers == ()
+
+
+def test_a_monitor_that_does_not_adapt_keeps_the_pending_move_back(tmp_path):
+    model = overflow_model("mixed_float16")
+    monitor = AMPMonitor(str(tmp_path), patience=1, cooldown=0)
+    train(model, [monitor, CalmDown()], epochs=2)
+    monitor.adapt = False
+    train(model, [monitor], epochs=1)
+    assert model.get_layer("hot").compute_dtype == "float32"
+    assert monitor.lists.deny_layers == ("hot",)
+    monitor.adapt = True
+    train(model, [monitor], epochs=1)
+    assert model.get_layer("hot").compute_dtype == "float16"
+
+
+def test_a_fit_stopped_after_a_move_back_leaves_the_model_as_the_record(tmp_path):
+    # The move back happens at the first step; a step that raises ends the
+    # fit, and the record goes back to the last epoch end: so does the model.
+    model = overflow_model("mixed_float16")
+    monitor = AMPMonitor(str(tmp_path), patience=1, cooldown=0)
+    train(model, [monitor, CalmDown()], epochs=2)
+    x, y = regression_data()
+
+    def batches():
+        yield x[:BATCH], y[:BATCH]
+        raise RuntimeError("the input pipeline broke")
+
+    data = tf.data.Dataset.from_generator(
+        batches,
+        output_signature=(
+            tf.TensorSpec((None, 4), tf.float32),
+            tf.TensorSpec((None, 1), tf.float32),
+        ),
+    )
+    with pytest.raises(Exception, match="the input pipeline broke"):
+        model.fit(data, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+    assert model.get_layer("hot").compute_dtype == "float32"
+    assert monitor.lists.deny_layers == ("hot",)
+    assert [e["layer"] for e in monitor.state.adaptation["pending_returns"]] == ["hot"]
+
+
+def test_each_epoch_boundary_writes_one_change_and_one_lists_record(tmp_path):
+    # TensorBoard keeps one value per step of a tag (a later one at a step
+    # replaces it): the move back's change is written at the epoch that
+    # decided it, with the lists of the next epoch, the move included.
+    model = overflow_model("mixed_float16")
+    monitor = AMPMonitor(str(tmp_path), patience=1, cooldown=0)
+    train(model, [monitor, CalmDown(), StopAfterEpoch(1)], epochs=5)
+    train(model, [monitor], epochs=1)
+    accumulator = read_tensorboard(str(tmp_path))
+    for tag in ("amp/changes", "amp/lists"):
+        steps = [event.step for event in accumulator.Tensors(tag)]
+        assert len(steps) == len(set(steps)), (tag, steps)
+    changes = dict(
+        zip(
+            [e.step for e in accumulator.Tensors("amp/changes")],
+            text_values(accumulator, "amp/changes"),
+            strict=True,
+        )
+    )
+    assert "| layer | hot | None | deny |" in changes[0]
+    assert "| layer | hot | deny | allow |" in changes[1]
+    assert "from the next epoch's first step" in changes[1]
+    lists = dict(
+        zip(
+            [e.step for e in accumulator.Tensors("amp/lists")],
+            text_values(accumulator, "amp/lists"),
+            strict=True,
+        )
+    )
+    assert sorted(lists) == [0, 1, 2]
+    assert "| deny_layers | `hot` |" in lists[1]
+    assert "| allow_layers | `hot` |" in lists[2]
 
 
 def test_early_stopping_on_loss_keeps_a_run_with_sporadic_overflows():

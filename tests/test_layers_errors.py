@@ -55,6 +55,11 @@ def test_instance_normalization_rank_too_low_raises():
         layers.InstanceNormalization()(np.zeros((2, 8), "float32"))
 
 
+def test_layer_normalization_of_a_scalar_raises():
+    with pytest.raises(ValueError, match=r"a scalar has none.*input_shape=\(\)"):
+        layers.LayerNormalization()(np.float32(1.0))
+
+
 def test_layer_normalization_rank_too_low_for_axis_raises():
     with pytest.raises(ValueError, match="Received: axis=-2"):
         layers.LayerNormalization(axis=-2)(np.zeros((8,), "float32"))
@@ -148,3 +153,15 @@ def test_swish_function_refuses_a_beta_per_channel():
 
     with pytest.raises(ValueError, match=r"Received: beta\.shape=\(3,\)"):
         layers.swish(np.ones((2, 3), "float32"), beta=tf.Variable([0.5, 1.0, 2.0]))
+
+
+def test_swish_function_refuses_a_numpy_beta_per_channel():
+    with pytest.raises(ValueError, match=r"Received: beta\.shape=\(3,\)"):
+        layers.swish(np.ones((2, 3), "float32"), beta=np.array([0.5, 1.0, 2.0]))
+
+
+def test_swish_function_takes_a_zero_dimensional_numpy_beta():
+    x = np.array([-1.0, 0.0, 2.0])
+    outputs = layers.swish(x.astype("float32"), beta=np.array(2.0))
+    expected = x / (1.0 + np.exp(-2.0 * x))  # float64 reference
+    np.testing.assert_allclose(np.asarray(outputs), expected, rtol=1e-6, atol=1e-7)

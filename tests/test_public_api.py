@@ -323,3 +323,48 @@ def test_a_package_run_with_dash_m_that_imports_this_one_registers_the_layers(
         check=True,
     )
     assert "Swish" in completed.stdout.splitlines()[-1]
+
+
+def test_a_missing_dependency_of_tensorflow_is_not_reported_as_tensorflow():
+    # TensorFlow is installed; a module it imports is not: that one is named.
+    script = (
+        "import importlib.abc, sys\n"
+        "class Broken(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'tensorflow':\n"
+        "            missing = 'google.protobuf'\n"
+        "            raise ModuleNotFoundError(\n"
+        "                f'No module named {missing!r}', name=missing)\n"
+        "sys.meta_path.insert(0, Broken())\n"
+        "try:\n"
+        "    import keras_amp_plus.layers\n"
+        "except ImportError as error:\n"
+        "    print(type(error).__name__, error)\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "ModuleNotFoundError No module named 'google.protobuf'" in completed.stdout
+    assert "needs TensorFlow" not in completed.stdout
+
+
+@pytest.mark.parametrize(
+    "options, module",
+    [
+        (["-m", "keras_amp_plus", "doctor"], "keras_amp_plus"),
+        (["-mkeras_amp_plus", "doctor"], "keras_amp_plus"),
+        (["-Bm", "keras_amp_plus"], "keras_amp_plus"),
+        (["-W", "error", "-X", "dev", "-m", "keras_amp_plus"], "keras_amp_plus"),
+        (["-Werror", "-Xutf8", "-mkeras_amp_plus.cli"], "keras_amp_plus.cli"),
+        (["--check-hash-based-pycs", "always", "-m", "project"], "project"),
+        (["train.py", "-m", "keras_amp_plus"], None),
+        (["-c", "import keras_amp_plus", "-m", "keras_amp_plus"], None),
+        (["-m"], None),
+    ],
+)
+def test_the_command_line_is_recognised_in_every_form_of_dash_m(options, module):
+    assert keras_amp_plus._module_argument(options) == module

@@ -77,10 +77,13 @@ class AMPMonitor(keras.callbacks.Callback):
     monitor watches for Inf/NaN losses and recommends
     `LossScaleOptimizer.guard`. With `adapt=True`, at each epoch end, a layer
     whose accumulated evidence reaches `deny_threshold` moves to the deny
-    list, and a denied layer moves back after `patience` clean epochs (see
-    the arguments), through the engine, for an epoch of the same `fit` to
-    try it: a move decided at the last epoch (or when a callback stops the
-    `fit`) waits for the first epoch of the model's next `fit`. NaN results of `fit`'s
+    list at once, and a denied layer moves back after `patience` clean
+    epochs (see the arguments), through the engine, at the first step of the
+    next epoch that runs one: of the same `fit`, or, after its last epoch (or
+    once a callback stopped it), of the model's next `fit` (with `adapt` on).
+    A checkpoint saved at an epoch end holds the lists of the state file, and
+    the model `fit` returns no layer in a precision it overflowed in, untried.
+    NaN results of `fit`'s
     validation, which runs before the monitor denies a layer, read as their
     worst values, as a skipped epoch's metrics do (`exclude_skipped_steps`),
     with a warning.

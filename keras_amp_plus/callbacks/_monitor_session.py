@@ -74,8 +74,9 @@ NAN_VALIDATION = (
 )
 # Why, by the epoch's training steps.
 VALIDATED_BEFORE_ADAPTING = (
-    "its %d overflow event(s) in training: validation ran before the monitor "
-    "moved any layer, on the model as the epoch left it"
+    "its %d overflow event(s) in training: validation ran on the model as the "
+    "epoch's steps left it, before the epoch's end, where the monitor may move "
+    "layers"
 )
 NAN_WITHOUT_OVERFLOWS = (
     "no overflow in its training steps: check the validation data for Inf "
@@ -180,9 +181,9 @@ class MonitorSession:
         self.started = False
         self.epoch = 0
         self.epoch_events = []
-        # The layers moved back at the last epoch end: taken back, and
-        # deferred to the next fit, if no epoch of this one tries them.
-        self.untried_returns = None
+        # Whether the epoch's first step moves back the layers that earned
+        # low precision back at an earlier epoch end (`_defer_returns`).
+        self.returns_due = False
         self._written_scalars = None
         self.snapshots = {}
 
@@ -232,8 +233,9 @@ class MonitorSession:
         self.log.open(keep_lines=state.jsonl_lines if continuing else None)
         # A graph engine switches its rewrite on even with empty lists.
         self.engine.start(self.model, memory.lists)
-        self._apply_pending_returns(epoch)
-        self._log_lists(state.epoch_offset + epoch)
+        if not self._returns_to_apply():
+            # Else the first step's moves write the lists (`_apply_pending_returns`).
+            self._log_lists(state.epoch_offset + epoch)
         self.started = True
 
     def _record_to_continue(self, epoch: int) -> tuple:
@@ -344,17 +346,26 @@ class MonitorSession:
         self.recorder.begin_epoch()
         # A validation stopped by Ctrl-C never reached `on_test_end`.
         self.recorder.validating = False
+        self.recorder.nan_validation_metrics.clear()
         self.epoch = epoch
-        self.untried_returns = None  # this epoch tries them
+        self.returns_due = self._returns_to_apply()
         self.epoch_events = []
         self.read_at = 0
 
     def before_batch(self, batch: int) -> None:
-        """Read the records when `read_every` steps finished since the last read.
+        """Move layers back at an epoch's first step; read the records.
 
         Called as batch `batch` begins, when steps `0 .. batch - 1` of the
-        epoch are done.
+        epoch are done. The records are read when `read_every` steps
+        finished since the last read.
         """
+        if self.returns_due:
+            self.returns_due = False
+            try:
+                self._apply_pending_returns(self.epoch)
+            except BaseException:
+                self.abort()  # Keras calls no `on_train_end` then
+                raise
         if batch - self.read_at >= self.read_every:
             try:
                 self.epoch_events.extend(self.drain())
@@ -414,13 +425,13 @@ class MonitorSession:
         state.last_scale_point = [step, value]
         self.log.scalars({"amp/loss_scale": value}, step=step)
 
-    def _log_lists(self, step: int) -> None:
-        """Write `amp/lists` at `step`, unless these lists are there already.
+    def _log_lists(self, step: int, lists: PrecisionLists | None = None) -> None:
+        """Write `amp/lists` (default: those in force) at `step`, unless there already.
 
         A `fit` resumed or continued at the epoch after a change finds the
         new lists written at its first epoch.
         """
-        lists = self.memory.lists
+        lists = self.memory.lists if lists is None else lists
         logged = [step, json.dumps(lists.get_config(), sort_keys=True)]
         if self.memory.state.lists_logged == logged:
             return
@@ -633,14 +644,14 @@ class MonitorSession:
                 )
 
     def adapt(self, epoch, evidence) -> list:
-        """Apply the adaptation rule; return the list changes made.
+        """Apply the adaptation rule; return the list changes it decided.
 
-        A layer moved back is tried in the epoch that follows. Where no
-        epoch of this `fit` follows (its last, or once a callback before the
-        monitor stopped it) the move waits for the first epoch of the
-        model's next `fit` (`_defer_returns`): the model `fit` returns never
-        holds a layer in the precision it overflowed in, untried, and a loop
-        of one-epoch `fit`s still tries it.
+        Denials take effect at once. A layer moved back is moved at the
+        first step of the next epoch that runs one (`_defer_returns`), of
+        this `fit` or the model's next: whatever a callback saves at this
+        epoch end (a checkpoint) matches the state file, and the model a
+        `fit` returns never holds a layer in the precision it overflowed
+        in, untried.
         """
         memory = self.memory
         denied = self.editor.denied_layers(self.model, memory.lists)
@@ -648,22 +659,31 @@ class MonitorSession:
         # fits, which each number their epochs from 0.
         decisions = memory.rule.decide(self.record_epoch(epoch), evidence, denied)
         returns = [decision for decision in decisions if decision.to == "allow"]
-        if returns and self._no_epoch_follows(epoch):
-            self._defer_returns(epoch, returns)
-            decisions = [d for d in decisions if d.to != "allow"]
-            returns = []
-        self.untried_returns = returns or None
-        return self._apply_decisions(epoch, decisions)
+        others = [decision for decision in decisions if decision.to != "allow"]
+        changes = self._apply_decisions(epoch, others)
+        return changes + self._defer_returns(epoch, returns)
 
-    def _no_epoch_follows(self, epoch: int) -> bool:
-        """Return whether `epoch` is this `fit`'s last (or it was stopped)."""
-        epochs = (self.monitor.params or {}).get("epochs")
-        return self.model.stop_training or (epochs is not None and epoch + 1 >= epochs)
+    def _pending_returns(self) -> list:
+        """Return the state's list of layers to move back (`_defer_returns`)."""
+        return self.memory.state.adaptation.setdefault("pending_returns", [])
 
-    def _defer_returns(self, epoch: int, returns) -> None:
-        """Keep `returns` for the first epoch of the model's next `fit`."""
-        pending = self.memory.state.adaptation.setdefault("pending_returns", [])
+    def _returns_to_apply(self) -> bool:
+        """Return whether layers wait to move back and the monitor adapts."""
+        return self.monitor.adapt and bool(self._pending_returns())
+
+    def _defer_returns(self, epoch: int, returns) -> list:
+        """Keep `returns` for the next epoch's first step; return their changes.
+
+        The changes are those the move will make (`ListEditor.apply` on a
+        copy of its state), for `amp/changes` at this epoch, which decided
+        them.
+        """
+        pending = self._pending_returns()
+        waiting = {entry["layer"] for entry in pending}
+        new = {decision.layer for decision in returns} - waiting
         for decision in returns:
+            if decision.layer not in new:
+                continue
             pending.append(
                 {
                     "layer": decision.layer,
@@ -673,71 +693,66 @@ class MonitorSession:
             )
             logger.info(
                 "AMPMonitor epoch %d: layer %r earned low precision back (%s); "
-                "no epoch of this fit follows to try it, so the next fit does.",
+                "it moves back at the next epoch's first step.",
                 epoch,
                 decision.layer,
                 decision.reason,
             )
+        changes = self._previewed_returns()[1] if new else []
+        return [change for change in changes if change["layer"] in new]
+
+    def _previewed_returns(self) -> tuple:
+        """Return `(lists, changes)` the pending returns will make; change nothing."""
+        saved = self.editor.get_state()
+        lists, changes = self.memory.lists, []
+        for decision in self._pending_decisions():
+            lists, moved = self.editor.apply(lists, decision)
+            for change in moved:
+                change.update(
+                    reason=f"{decision.reason} (from the next epoch's first step)",
+                    evidence=decision.evidence,
+                )
+            changes.extend(moved)
+        self.editor.set_state(saved)
+        return lists, changes
+
+    def _pending_decisions(self) -> list:
+        return [
+            Decision(entry["layer"], "allow", entry["reason"], entry["evidence"])
+            for entry in self._pending_returns()
+        ]
 
     def _apply_pending_returns(self, epoch: int) -> None:
-        """Move back the layers deferred by the last `fit` (`_defer_returns`)."""
-        pending = self.memory.state.adaptation.pop("pending_returns", [])
-        decisions = [
-            Decision(
-                entry["layer"],
-                "allow",
-                f"{entry['reason']}, decided when the last fit ended",
-                entry["evidence"],
-            )
-            for entry in pending
-        ]
-        changes = self._apply_decisions(epoch, decisions)
-        # `start` writes the lists of this epoch next.
-        self._log_changes(epoch, changes, lists_follow=False)
+        """Move back the layers `_defer_returns` kept, at `epoch`'s first step.
 
-    def take_back_untried_returns(self) -> None:
-        """Deny again the layers moved back at an epoch end no epoch followed.
-
-        A callback after the monitor (`EarlyStopping`) may stop the `fit` at
-        the epoch end that moved a layer back: the model would be left with
-        the layer in a precision it overflowed in and no epoch tried again
-        (`evaluate` and `predict` could give NaN). The move waits for the
-        model's next `fit`, as at a last epoch (`_defer_returns`).
+        Their `list_change` records name the epoch before this one, whose end
+        their lists follow, as a denial's names the epoch that decided it.
         """
-        if self.untried_returns is None:
-            return
-        returns = self.untried_returns
-        self.untried_returns = None
-        denials = [
-            Decision(
-                d.layer,
-                "deny",
-                "the fit ended before its trial in low precision; the next "
-                "fit tries it",
-                {},
-            )
-            for d in returns
-        ]
-        changes = self._apply_decisions(self.epoch, denials)
-        self._defer_returns(self.epoch, returns)
-        self._log_changes(self.epoch, changes)
-        self._snapshot(self.epoch)
+        decisions = self._pending_decisions()
+        self.memory.state.adaptation["pending_returns"] = []
+        self._apply_decisions(epoch, decisions, self.record_epoch(epoch) - 1)
+        self._log_lists(self.memory.state.epoch_offset + epoch)
 
-    def _log_changes(self, epoch: int, changes, lists_follow: bool = True) -> None:
-        """Write `changes` (made at `epoch`'s end) to TensorBoard's text.
+    def _log_changes(self, epoch: int, changes) -> None:
+        """Write `changes` (decided at `epoch`'s end) to TensorBoard's text.
 
-        With `lists_follow`, also the lists they put in force from the next
-        epoch on (`amp/lists`).
+        Also the lists they put in force from the next epoch on (`amp/lists`),
+        the layers to move back at its first step included.
         """
         if not changes:
             return
         step = self.memory.state.epoch_offset + epoch
         self.log.text("amp/changes", changes_markdown(changes), step)
-        if lists_follow:
-            self._log_lists(step + 1)
+        self._log_lists(step + 1, self._previewed_returns()[0])
 
-    def _apply_decisions(self, epoch, decisions) -> list:
-        """Move the layers of `decisions`, log each move; return the changes."""
+    def _apply_decisions(self, epoch, decisions, record_epoch=None) -> list:
+        """Move the layers of `decisions`, log each move; return the changes.
+
+        `record_epoch` is the epoch the `list_change` records name (default:
+        `epoch`'s record number).
+        """
+        if record_epoch is None:
+            record_epoch = self.record_epoch(epoch)
         memory = self.memory
         lists = memory.lists
         changes = []
@@ -748,7 +763,7 @@ class MonitorSession:
                 self.log.write_record(
                     {
                         "type": "list_change",
-                        "epoch": self.record_epoch(epoch),
+                        "epoch": record_epoch,
                         "run": memory.state.run,
                         **change,
                     }
@@ -883,7 +898,12 @@ class MonitorSession:
             logger.exception(
                 "AMPMonitor could not read the events of the interrupted epoch."
             )
+        lists = self.memory.lists
         self.memory.resume(copy.deepcopy(self._epoch_end_state))
+        if self.memory.lists != lists and self.engine.level == "layer":
+            # Layers moved back at this epoch's first step go back to the
+            # lists of the record (op engines switch their rewrite off).
+            self.engine.apply(self.model, self.memory.lists)
 
     def _save_stopped_first_epoch(self) -> None:
         """Save a run stopped in its first epoch as the state file's last one.
@@ -897,7 +917,6 @@ class MonitorSession:
 
     def close(self) -> StepCache:
         """Flush, close and uninstall (end of `fit`); return the step to reuse."""
-        self.take_back_untried_returns()
         self.log.close()
         wrapped = self.model.train_function
         self.recorder.uninstall()

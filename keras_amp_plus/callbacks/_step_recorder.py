@@ -155,11 +155,20 @@ def _put(buffer, slot, value):
     buffer.assign(updated)
 
 
-def _restore(saved):
-    """Assign each `(variable, value before the step)` pair back."""
+def _restore(saved, counter):
+    """Assign each `(variable, value before the step)` pair back; count it."""
     for variable, before in saved:
         variable.assign(before)
+    counter.assign_add(1)
     return tf.constant(0)
+
+
+def _changed(saved):
+    """Return whether any `(variable, value before the step)` pair differs."""
+    changed = tf.constant(False)
+    for variable, before in saved:
+        changed |= tf.reduce_any(tf.not_equal(tf.convert_to_tensor(variable), before))
+    return changed
 
 
 def _all_replicas_any(flag):
@@ -207,6 +216,8 @@ class StepRecorder:
         with self.strategy.scope():
             self.total_steps = _variable("amp_monitor_total_steps", (), tf.int64)
             self.event_count = _variable("amp_monitor_event_count", (), tf.int64)
+            # Skipped steps whose metrics updates were put back.
+            self.left_out_steps = _variable("amp_monitor_left_out_steps", (), tf.int64)
             self.stash_step = _variable("amp_monitor_stash_step", (), tf.int64)
             # The steps whose kept batch held Inf or NaN (bad data, no
             # layer's overflow), a ring as long as the event ring: the stash
@@ -225,6 +236,7 @@ class StepRecorder:
         self._local = threading.local()
         self._saved_attributes = {}
         self._steps_before_epoch = 0
+        self._left_out_before_epoch = 0
         # Called when a step raises (`_stopping_cleanly`); the session's.
         self.on_abort = lambda: None
         self.loss_watched = True
@@ -294,6 +306,7 @@ class StepRecorder:
     def begin_epoch(self) -> None:
         """Note where the epoch starts (`fit` has just reset the metrics)."""
         self._steps_before_epoch = int(self.total_steps.numpy())
+        self._left_out_before_epoch = int(self.left_out_steps.numpy())
 
     def steps_in_epoch(self) -> int:
         """Return the train steps the current epoch ran so far.
@@ -359,14 +372,23 @@ class StepRecorder:
         return reported
 
     def _every_step_left_out(self) -> bool:
-        """Return True when the epoch ran steps and its metrics hold none."""
+        """Return True when the epoch ran steps, each left out of the metrics.
+
+        A custom `train_step` may log values of its own and leave the
+        compiled metrics untouched: their zeros then say nothing.
+        """
         if self._metric_values() is None:  # nothing is left out
             return False
         steps = self.steps_in_epoch()
+        left_out = int(self.left_out_steps.numpy()) - self._left_out_before_epoch
         # Put back after each skipped step, the metrics still hold the
         # zeros `fit` reset them to at the epoch's start.
         variables = self._metric_variables()
-        return steps > 0 and not any(np.any(v.numpy()) for v in variables)
+        return (
+            steps > 0
+            and left_out >= steps
+            and not any(np.any(v.numpy()) for v in variables)
+        )
 
     def _wrap_compute_loss(self, original_compute_loss):
         def compute_loss(*args, **kwargs):
@@ -389,9 +411,13 @@ class StepRecorder:
             if order.layers:
                 self.call_order = order.layers
             losses, self._local.losses = self._local.losses, None
-            keep, step = self._record_step(leaves, scale_before, losses, saved_metrics)
+            updated = None if saved_metrics is None else _changed(saved_metrics)
+            keep, step, left_out = self._record_step(
+                leaves, scale_before, losses, saved_metrics
+            )
             if saved_metrics is not None:
-                outputs = self._metrics_result(outputs)
+                # Logs the step took from the metrics, put back: theirs again.
+                outputs = self._metrics_result(outputs, left_out & updated)
             return outputs, keep, step
 
         def train_step(data):
@@ -481,26 +507,34 @@ class StepRecorder:
         # Metrics built by this very step (the first trace) are not restored.
         return [(v, tf.identity(v)) for v in self._metric_variables()]
 
-    def _metrics_result(self, outputs):
-        """Return the step's logs from the metrics (put back on a skipped step)."""
+    def _metrics_result(self, outputs, replace):
+        """Return the step's logs, from the metrics where `replace` is True.
+
+        `replace`: the step updated the metrics (its logs are theirs, as
+        Keras's own `train_step` returns) and was left out of them. A custom
+        `train_step` logging values of its own keeps them.
+        """
         results = self.model.get_metrics_result()
-        if isinstance(outputs, dict) and set(outputs) == set(results):
+        if not (isinstance(outputs, dict) and set(outputs) == set(results)):
+            return outputs
+        replaced = {}
+        for name, value in results.items():
+            own = tf.convert_to_tensor(outputs[name])
             # Shaped like the step's own logs (`prepare_multi_worker_fit`
             # gives them a leading axis).
-            return {
-                name: tf.reshape(value, tf.shape(outputs[name]))
-                for name, value in results.items()
-            }
-        return outputs
+            value = tf.cast(tf.reshape(value, tf.shape(own)), own.dtype)
+            replaced[name] = tf.where(replace, value, own)
+        return replaced
 
     def _record_step(self, leaves, scale_before, losses, saved_metrics):
         """Record what the scaler cannot see, only on a skipped/overflow step.
 
         Everything happens in one `tf.cond`, so a normal step pays a few
         scalar ops and one conditional. The batch `leaves` are stashed here
-        unless None (the caller stashes then). Returns `(keep, step)`: whether
-        this step's batch is to be kept for the replay (None when it was
-        decided and done here), and its step number.
+        unless None (the caller stashes then). Returns `(keep, step,
+        left_out)`: whether this step's batch is to be kept for the replay
+        (None when it was decided and done here), its step number, and
+        whether its metrics updates were put back.
         """
         # Inside XLA a conditional copies every variable its branch may write
         # on every step, taken or not; a select reads and writes the batch once.
@@ -546,7 +580,7 @@ class StepRecorder:
                 # The skipped step's loss is left out of the epoch's averages.
                 tf.cond(
                     skipped,
-                    lambda: _restore(saved_metrics),
+                    lambda: _restore(saved_metrics, self.left_out_steps),
                     lambda: tf.constant(0),
                 )
             if self.ring is not None:
@@ -568,12 +602,13 @@ class StepRecorder:
             return tf.constant(0)
 
         tf.cond(is_event, on_event, lambda: tf.constant(0))
+        left_out = skipped if saved_metrics is not None else tf.constant(False)
         if leaves is not None and not stash_by_select:
-            return None, step  # decided in the event branch
+            return None, step, left_out  # decided in the event branch
         keep = is_event & keep_fn()
         if stash_by_select:
             self._stash_selected(leaves, step, keep)
-        return keep, step
+        return keep, step, left_out
 
     def _scaler_loss_not_finite(self):
         """Return True unless our scaler saw the skipped step's loss finite.

@@ -59,7 +59,7 @@ def check_swish_beta(beta, allow_tensors: bool):
             f"Pass a number such as 1.0. Received: beta={beta!r} of type "
             f"{type(beta).__name__}"
         )
-    if not is_number and beta.shape.rank != 0:
+    if not is_number and _rank(beta.shape) not in (0, None):
         # Its gradient is summed to one number: a beta per channel would get
         # every channel's sum.
         raise ValueError(
@@ -74,6 +74,12 @@ def check_swish_beta(beta, allow_tensors: bool):
             f"Received: beta={beta}"
         )
     return float(beta) if is_number else beta
+
+
+def _rank(shape) -> int | None:
+    """Return the rank of a `TensorShape` (None if unknown) or a NumPy shape."""
+    rank = getattr(shape, "rank", None)
+    return len(shape) if rank is None and isinstance(shape, tuple) else rank
 
 
 def check_axis_type(axis, allow_list: bool):
@@ -92,6 +98,12 @@ def check_axis_type(axis, allow_list: bool):
 
 def positive_axes(axes, rank: int, input_shape) -> tuple:
     """Return `axes` resolved to non-negative ints, checked against `rank`."""
+    if rank == 0:
+        raise ValueError(
+            "A normalization needs an input with at least one axis to "
+            "normalize over; a scalar has none. Pass a tensor of rank >= 1, "
+            "e.g. of shape (batch, features). Received: input_shape=()"
+        )
     resolved = []
     for axis in axes:
         if not -rank <= axis < rank:

@@ -352,6 +352,47 @@ def test_custom_train_step_logs_of_its_own_are_left_alone(tmp_path, jit_compile)
     assert np.isfinite(history.history["loss"][0])
 
 
+class PerExampleLossModel(keras.Model):
+    """A `train_step` logging the batch's per-example losses as `loss`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            losses = keras.ops.square(self(x, training=True) - y)[:, 0]
+            scaled = self.optimizer.scale_loss(keras.ops.mean(losses))
+        gradients = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        return {"loss": losses}
+
+
+def test_custom_train_step_logs_of_another_shape_are_left_alone(tmp_path):
+    keras.config.set_dtype_policy("float32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = PerExampleLossModel(inputs, keras.layers.Dense(1, name="head")(inputs))
+    model.compile(LossScaleOptimizer(keras.optimizers.SGD(0.01)))
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = np.ones((16, 1), "float32")
+    kernel, bias = (np.float64(w) for w in model.get_layer("head").get_weights())
+    logged = []
+    model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            AMPMonitor(str(tmp_path)),
+            keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs: logged.append(logs["loss"])
+            ),
+        ],
+    )
+    expected = (x.astype("float64") @ kernel + bias - y)[:, 0] ** 2
+    np.testing.assert_allclose(np.asarray(logged[0]), expected, rtol=1e-5)
+
+
 def test_custom_train_step_forward_overflow_is_still_replayed(tmp_path):
     # The loss is not seen by the monitor; all gradients non-finite on every
     # event makes it replay the batch, which names `hot`.

@@ -272,6 +272,39 @@ def test_a_checkpoint_saved_when_a_layer_earns_its_way_back_continues_the_lists(
     train(reloaded, [again], epochs=1)
     assert reloaded.get_layer("hot").compute_dtype == "float16"
     assert again.lists.allow_layers == ("hot",) and again.lists.deny_layers == ()
+    [back] = [
+        r
+        for r in read_jsonl(log_dir)
+        if r["type"] == "list_change" and r["to"] == "allow"
+    ]
+    # The new run's first epoch moved it; run 1 decided it at its epoch 1.
+    assert (back["run"], back["epoch"]) == (2, 0)
+    assert "decided by run 1 at its epoch 1" in back["reason"]
+
+
+def test_a_new_run_stopped_after_its_first_step_moved_a_layer_back(tmp_path):
+    # The state file saved for a run stopped in its first epoch holds the
+    # lists of the last epoch end, the move still pending, as the model
+    # does: the next monitor continues them and moves the layer back.
+    model = overflow_model("mixed_float16")
+    train(model, [AMPMonitor(str(tmp_path), patience=1, cooldown=0), CalmDown()], 2)
+    second = AMPMonitor(str(tmp_path), patience=1, cooldown=0)
+    with pytest.raises(Exception, match="the input pipeline broke"):
+        model.fit(
+            breaking_data(), epochs=1, shuffle=False, verbose=0, callbacks=[second]
+        )
+    assert model.get_layer("hot").compute_dtype == "float32"
+    changes = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "list_change"]
+    assert [(c["run"], c["from"], c["to"]) for c in changes] == [
+        (1, None, "deny"),
+        (2, "deny", "allow"),
+        (2, "allow", "deny"),
+    ]
+    assert "the fit stopped in the epoch that tried it" in changes[-1]["reason"]
+    third = AMPMonitor(str(tmp_path), patience=1, cooldown=0)
+    train(model, [third], epochs=1)
+    assert model.get_layer("hot").compute_dtype == "float16"
+    assert third.lists.allow_layers == ("hot",)
 
 
 def test_a_monitor_that_does_not_adapt_keeps_the_pending_move_back(tmp_path):
@@ -285,6 +318,26 @@ def test_a_monitor_that_does_not_adapt_keeps_the_pending_move_back(tmp_path):
     monitor.adapt = True
     train(model, [monitor], epochs=1)
     assert model.get_layer("hot").compute_dtype == "float16"
+    changes = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "list_change"]
+    # Named by the epoch that decided it, not the one that carried it out.
+    assert [(c["epoch"], c["to"]) for c in changes] == [(0, "deny"), (1, "allow")]
+
+
+def breaking_data():
+    """A dataset whose second batch raises (an input pipeline that broke)."""
+    x, y = regression_data()
+
+    def batches():
+        yield x[:BATCH], y[:BATCH]
+        raise RuntimeError("the input pipeline broke")
+
+    return tf.data.Dataset.from_generator(
+        batches,
+        output_signature=(
+            tf.TensorSpec((None, 4), tf.float32),
+            tf.TensorSpec((None, 1), tf.float32),
+        ),
+    )
 
 
 def test_a_fit_stopped_after_a_move_back_leaves_the_model_as_the_record(tmp_path):
@@ -293,21 +346,10 @@ def test_a_fit_stopped_after_a_move_back_leaves_the_model_as_the_record(tmp_path
     model = overflow_model("mixed_float16")
     monitor = AMPMonitor(str(tmp_path), patience=1, cooldown=0)
     train(model, [monitor, CalmDown()], epochs=2)
-    x, y = regression_data()
-
-    def batches():
-        yield x[:BATCH], y[:BATCH]
-        raise RuntimeError("the input pipeline broke")
-
-    data = tf.data.Dataset.from_generator(
-        batches,
-        output_signature=(
-            tf.TensorSpec((None, 4), tf.float32),
-            tf.TensorSpec((None, 1), tf.float32),
-        ),
-    )
     with pytest.raises(Exception, match="the input pipeline broke"):
-        model.fit(data, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+        model.fit(
+            breaking_data(), epochs=1, shuffle=False, verbose=0, callbacks=[monitor]
+        )
     assert model.get_layer("hot").compute_dtype == "float32"
     assert monitor.lists.deny_layers == ("hot",)
     assert [e["layer"] for e in monitor.state.adaptation["pending_returns"]] == ["hot"]

@@ -165,3 +165,9 @@ def test_swish_function_takes_a_zero_dimensional_numpy_beta():
     outputs = layers.swish(x.astype("float32"), beta=np.array(2.0))
     expected = x / (1.0 + np.exp(-2.0 * x))  # float64 reference
     np.testing.assert_allclose(np.asarray(outputs), expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("beta", [float("nan"), float("inf")])
+def test_swish_function_refuses_a_non_finite_numpy_beta(beta):
+    with pytest.raises(ValueError, match="`beta` must be finite"):
+        layers.swish(np.ones((2, 3), "float32"), beta=np.array(beta))

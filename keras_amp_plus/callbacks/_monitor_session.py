@@ -184,6 +184,9 @@ class MonitorSession:
         # Whether the epoch's first step moves back the layers that earned
         # low precision back at an earlier epoch end (`_defer_returns`).
         self.returns_due = False
+        # `(lists, pending returns, editor state)` before this epoch's first
+        # step moved layers back: what an abort in the epoch goes back to.
+        self._before_returns = None
         self._written_scalars = None
         self.snapshots = {}
 
@@ -349,6 +352,7 @@ class MonitorSession:
         self.recorder.nan_validation_metrics.clear()
         self.epoch = epoch
         self.returns_due = self._returns_to_apply()
+        self._before_returns = None
         self.epoch_events = []
         self.read_at = 0
 
@@ -689,6 +693,8 @@ class MonitorSession:
                     "layer": decision.layer,
                     "reason": decision.reason,
                     "evidence": decision.evidence,
+                    "run": self.memory.state.run,
+                    "epoch": self.record_epoch(epoch),
                 }
             )
             logger.info(
@@ -725,13 +731,60 @@ class MonitorSession:
     def _apply_pending_returns(self, epoch: int) -> None:
         """Move back the layers `_defer_returns` kept, at `epoch`'s first step.
 
-        Their `list_change` records name the epoch before this one, whose end
-        their lists follow, as a denial's names the epoch that decided it.
+        Their `list_change` records name the epoch that decided them, as a
+        denial's do; a run continuing an earlier run's lists names its own
+        first epoch (the reason names the deciding run and epoch).
         """
-        decisions = self._pending_decisions()
-        self.memory.state.adaptation["pending_returns"] = []
-        self._apply_decisions(epoch, decisions, self.record_epoch(epoch) - 1)
-        self._log_lists(self.memory.state.epoch_offset + epoch)
+        state = self.memory.state
+        pending = state.adaptation["pending_returns"]
+        self._before_returns = (
+            self.memory.lists,
+            copy.deepcopy(pending),
+            self.editor.get_state(),
+        )
+        state.adaptation["pending_returns"] = []
+        for entry in pending:
+            reason, decided = entry["reason"], entry.get("epoch")
+            if entry.get("run", state.run) != state.run or decided is None:
+                reason += f" (decided by run {entry.get('run')} at its epoch {decided})"
+                decided = self.record_epoch(epoch)
+            decision = Decision(entry["layer"], "allow", reason, entry["evidence"])
+            self._apply_decisions(epoch, [decision], decided)
+        self._log_lists(state.epoch_offset + epoch)
+
+    def _undo_returns(self) -> None:
+        """Go back to the lists before this epoch's first step moved layers back.
+
+        For a step that raised (`abort`): the model, the lists and the state
+        saved for the next `fit` then hold the record of the last epoch end,
+        the moves still pending; a `list_change` line says so.
+        """
+        if self._before_returns is None:
+            return
+        lists, pending, editor_state = self._before_returns
+        self._before_returns = None
+        self.memory.state.adaptation["pending_returns"] = pending
+        self.editor.set_state(editor_state)
+        if self.memory.lists == lists:
+            return  # the moves never took effect
+        self.memory.set_lists(lists)
+        for entry in pending:
+            self.log.write_record(
+                {
+                    "type": "list_change",
+                    "epoch": self.record_epoch(self.epoch),
+                    "run": self.memory.state.run,
+                    "kind": "layer",
+                    "name": entry["layer"],
+                    "from": "allow",
+                    "to": "deny",
+                    "layer": entry["layer"],
+                    "reason": "the fit stopped in the epoch that tried it; "
+                    "the next fit tries it again",
+                    "evidence": {},
+                }
+            )
+        self.engine.apply(self.model, lists)
 
     def _log_changes(self, epoch: int, changes) -> None:
         """Write `changes` (decided at `epoch`'s end) to TensorBoard's text.
@@ -891,6 +944,7 @@ class MonitorSession:
         if not self.started:
             return
         try:
+            self._undo_returns()
             self.drain(force_scalars=True, agree=False)
             if self._epoch_end_state.epoch < 0:
                 self._save_stopped_first_epoch()
@@ -898,12 +952,7 @@ class MonitorSession:
             logger.exception(
                 "AMPMonitor could not read the events of the interrupted epoch."
             )
-        lists = self.memory.lists
         self.memory.resume(copy.deepcopy(self._epoch_end_state))
-        if self.memory.lists != lists and self.engine.level == "layer":
-            # Layers moved back at this epoch's first step go back to the
-            # lists of the record (op engines switch their rewrite off).
-            self.engine.apply(self.model, self.memory.lists)
 
     def _save_stopped_first_epoch(self) -> None:
         """Save a run stopped in its first epoch as the state file's last one.

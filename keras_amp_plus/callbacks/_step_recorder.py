@@ -163,6 +163,15 @@ def _restore(saved, counter):
     return tf.constant(0)
 
 
+def _as_numeric_tensor(value):
+    """Return `value` as a numeric tensor, or None (strings, nested logs)."""
+    try:
+        tensor = tf.convert_to_tensor(value)
+    except (TypeError, ValueError):
+        return None
+    return tensor if tensor.dtype.is_floating or tensor.dtype.is_integer else None
+
+
 def _changed(saved):
     """Return whether any `(variable, value before the step)` pair differs."""
     changed = tf.constant(False)
@@ -517,9 +526,12 @@ class StepRecorder:
         results = self.model.get_metrics_result()
         if not (isinstance(outputs, dict) and set(outputs) == set(results)):
             return outputs
-        replaced = {}
+        replaced = dict(outputs)
         for name, value in results.items():
-            own = tf.convert_to_tensor(outputs[name])
+            own = _as_numeric_tensor(outputs[name])
+            value = tf.convert_to_tensor(value)
+            if own is None or own.shape.num_elements() != value.shape.num_elements():
+                continue  # a log of the step's own (a per-example loss, ...)
             # Shaped like the step's own logs (`prepare_multi_worker_fit`
             # gives them a leading axis).
             value = tf.cast(tf.reshape(value, tf.shape(own)), own.dtype)

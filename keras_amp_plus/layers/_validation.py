@@ -51,6 +51,8 @@ def check_swish_beta(beta, allow_tensors: bool):
     Raises TypeError for anything that is not a real number (or, when
     `allow_tensors`, a float tensor or variable), ValueError for nan/inf.
     """
+    if isinstance(beta, np.ndarray) and beta.ndim == 0:
+        beta = beta.item()  # a 0-d array holds a number
     is_number = isinstance(beta, numbers.Real) and not isinstance(beta, bool)
     if not is_number and not (allow_tensors and _is_float_tensor(beta)):
         expected = "a float or a float tensor" if allow_tensors else "a float"

@@ -36,6 +36,28 @@ if not (KERAS_VERSION >= (3, 10) or KERAS_VERSION == (2, 15)):
 # `compile(jit_compile=...)`'s default: Keras 3 resolves "auto" itself; Keras 2
 # takes None (XLA off unless the model asks for it).
 JIT_COMPILE_DEFAULT = "auto" if IS_KERAS_3 else None
+# What to tell a user whose `jit_compile=True` cannot run: Keras 3's "auto"
+# turns XLA off where it cannot; Keras 2 takes any true value, "auto" too, for
+# XLA on.
+JIT_COMPILE_OFF_ADVICE = (
+    "Keras's default `jit_compile='auto'` turns XLA off under tf.distribute for "
+    "this reason. Compile the model with `jit_compile=False` (or 'auto')"
+    if IS_KERAS_3
+    else "Compile the model with `jit_compile=False` (Keras 2's default; "
+    "Keras 2 reads any true value, 'auto' too, as XLA on)"
+)
+
+
+def jit_compile_on(model) -> bool:
+    """Return whether `fit` compiles the model's step with XLA.
+
+    Keras 3 resolves `jit_compile="auto"` to a bool at `compile`; Keras 2
+    keeps what it was given and compiles with XLA for any true value.
+    """
+    if IS_KERAS_3:
+        return model.jit_compile is True
+    return bool(model.jit_compile)
+
 
 # What the rest of the package asks about, rather than the Keras version:
 # `keras.Operation`, to record a function applied to a symbolic KerasTensor;
@@ -114,6 +136,22 @@ def variable_path(variable) -> str:
         return variable.path
     name = variable.name
     return name[:-2] if name.endswith(":0") else name
+
+
+def build_from_config(layer, config, build) -> None:
+    """Run `build(config)`, Keras's `build_from_config`, under `layer`'s name.
+
+    Keras 2 builds a custom layer reloaded from a `.keras` file outside its
+    name scope: its variables would be named "gamma:0" instead of
+    "ln/gamma:0", the same for every such layer, and `variable_path` (what
+    the scaler's records and the monitor's attribution go by) would no longer
+    tell them apart. Keras 3 names variables by their layer's path itself.
+    """
+    if IS_KERAS_3:
+        build(config)
+        return
+    with tf.name_scope(layer.name):
+        build(config)
 
 
 def no_autocast() -> dict:

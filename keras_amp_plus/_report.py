@@ -196,11 +196,23 @@ def _dump_dir(name: str, engine, log_dir):
     variable = ITEX_LOG_PATH_VARIABLE if name == "itex" else LOG_PATH_VARIABLE
     if os.environ.get(variable):
         return os.environ[variable]
+    if name == "itex":
+        # ITEX dumps its rewrite only into the directory this variable names
+        # while the model trains; its engine keeps no directory of its own.
+        fix = (
+            f"ITEX dumps its rewrite only where `{variable}` names an existing "
+            "directory while the model trains: set it before training, then "
+            "pass that directory as `log_dir=` or keep the variable set"
+        )
+    else:
+        fix = (
+            "Pass the engine object that trained the model, `log_dir=`, or set "
+            f"`{variable}` before training"
+        )
     raise ValueError(
         f"The {name!r} engine's report reads the rewrite's graph dump, but no "
-        f"dump directory is known. Pass the engine object that trained the "
-        f"model, `log_dir=`, or set `{variable}` before training. "
-        f"Received: engine={engine!r}, log_dir=None"
+        f"dump directory is known. {fix}. Received: engine={engine!r}, "
+        "log_dir=None"
     )
 
 

@@ -356,3 +356,55 @@ def test_precision_report_reads_itex_dumps(itex_log_dir, tmp_path):
     # Its matmuls, forward and backward, ran in bfloat16.
     converted_matmuls = sum(train["converted_by_op"].get(op, 0) for op in DENSE_MATMULS)
     assert converted_matmuls >= 4
+
+
+def test_precision_report_says_itex_dumps_only_where_its_variable_is_set(
+    monkeypatch,
+):
+    monkeypatch.delenv(itex_log.LOG_PATH_ENV, raising=False)
+    with pytest.raises(ValueError, match="ITEX dumps its rewrite only where"):
+        kap.precision_report(transformer(), ItexEngine())
+
+
+def test_keras_2_reads_jit_compile_auto_as_xla_on():
+    # Keras 2 keeps the string and compiles with XLA for any true value: the
+    # monitor's and the scaler's checks of a strategy must see it as on.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", jit_compile="auto")
+    assert _compat.jit_compile_on(model)
+    model.compile("sgd", "mse")
+    assert not _compat.jit_compile_on(model)
+    assert "'auto' too, as XLA on" in _compat.JIT_COMPILE_OFF_ADVICE
+
+
+@pytest.mark.itex_bfloat16
+def test_a_mixed_float16_model_under_the_op_engine_is_told_why_denials_fail(
+    tmp_path, caplog
+):
+    # Op lists cannot change what a Keras float16 policy computes: said
+    # before the first step, and again when the denied layer still overflows
+    # (not "not finite in float32 either": it is finite there).
+    _compat.set_global_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(
+        16, name="hot", kernel_initializer=keras.initializers.Constant(3e4)
+    )(inputs)
+    hidden = kap.layers.LayerNormalization(name="ln")(hidden)
+    outputs = keras.layers.Dense(1, dtype="float32", name="out")(hidden)
+    model = keras.Model(inputs, outputs)
+    model.compile(kap.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), "mse")
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    monitor = kap.callbacks.AMPMonitor(str(tmp_path), engine="itex")
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        model.fit(
+            x,
+            np.zeros((32, 1)),
+            batch_size=16,
+            epochs=2,
+            verbose=0,
+            callbacks=[monitor],
+        )
+    assert "engine='itex' moves op types between lists" in caplog.text
+    assert "'hot'" in caplog.text.split("moves op types")[1].split("\n")[0]
+    assert "which the engine's op lists cannot change" in caplog.text
+    assert "not finite in float32 either" not in caplog.text

@@ -389,3 +389,29 @@ def test_a_saved_model_loads_after_importing_only_the_package(tmp_path):
         "keras_amp_plus ['InputLayer', 'InstanceNormalization', 'Flatten', "
         "'Swish', 'Dense', 'LayerNormalization']"
     )
+
+
+def test_a_reloaded_model_names_the_layers_weights_after_them(tmp_path):
+    # Keras 2 builds a custom layer reloaded from a `.keras` file outside its
+    # name scope ("gamma:0" for every one): the scaler's records and the
+    # monitor's attribution go by these names.
+    inputs = keras.Input((8,))
+    hidden = kap.layers.LayerNormalization(name="ln1")(inputs)
+    hidden = kap.layers.LayerNormalization(name="ln2")(hidden)
+    hidden = kap.layers.Swish(name="sw", trainable_beta=True)(hidden)
+    images = keras.layers.Reshape((2, 4, 1))(hidden)
+    outputs = kap.layers.InstanceNormalization(name="in1")(images)
+    model = keras.Model(inputs, outputs)
+    model.save(str(tmp_path / "model.keras"))
+    reloaded = keras.models.load_model(str(tmp_path / "model.keras"))
+    names = [variable.name for variable in reloaded.weights]
+    assert names == [variable.name for variable in model.weights]
+    assert names == [
+        "ln1/gamma:0",
+        "ln1/beta:0",
+        "ln2/gamma:0",
+        "ln2/beta:0",
+        "sw/beta:0",
+        "in1/gamma:0",
+        "in1/beta:0",
+    ]

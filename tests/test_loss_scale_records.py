@@ -277,3 +277,48 @@ def test_records_say_whether_the_loss_that_scale_loss_saw_was_finite():
     assert {path.split("/")[-2] for path in records[1].variables} == {"last"}
     # `read_events` gives the same events as plain dicts.
     assert optimizer.read_events(0) == [r.as_event() for r in records]
+
+
+def two_blocks_with_the_same_layer_names():
+    """Two nested blocks built by one function: their variables' paths repeat."""
+
+    def block(name):
+        inputs = keras.Input((3,))
+        return keras.Model(
+            inputs, keras.layers.Dense(3, name="proj")(inputs), name=name
+        )
+
+    inputs = keras.Input((3,))
+    hidden = block("b2")(block("b1")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(1, name="out")(hidden))
+
+
+def test_repeated_variable_paths_keep_records_apart_and_name_their_layer():
+    from keras_amp_plus.callbacks._attribution import LayerIndex
+
+    model = two_blocks_with_the_same_layer_names()
+    assert [v.path for v in model.trainable_variables][:4] == [
+        "proj/kernel",
+        "proj/bias",
+        "proj/kernel",
+        "proj/bias",
+    ]
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    model.compile(optimizer, "mse")
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    grads = [tf.zeros_like(v) for v in variables]
+    grads[2] = tf.fill(variables[2].shape, INF)  # block b2's kernel
+    optimizer.apply(grads, variables)
+    assert optimizer.overflow_summary()["by_variable"] == {
+        "proj/kernel": 0,
+        "proj/bias": 0,
+        "proj/kernel#2": 1,
+        "proj/bias#2": 0,
+        "out/kernel": 0,
+        "out/bias": 0,
+    }
+    [event] = optimizer.read_events()
+    assert event["variables"] == ["proj/kernel#2"]
+    index = LayerIndex(model)
+    assert index.layers_of_variables(event["variables"]) == ["b2/proj"]

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus._lists.layer_names import layer_chains
+from keras_amp_plus.optimizers import LossScaleOptimizer
 
 BAD_DATA = "bad_data"  # the replayed batch itself holds Inf/NaN
 
@@ -56,10 +57,29 @@ class LayerIndex:
         self.order = {self.chain(layer): i for i, layer in enumerate(leaves)}
         self.by_path = {self.chain(layer): layer for layer in self.layers}
         self.owner_of_variable = {}
+        owner_by_id = {}
         for layer in leaves:
             for variable in layer.trainable_variables:
                 path = _compat.variable_path(variable)
                 self.owner_of_variable.setdefault(path, self.chain(layer))
+                owner_by_id.setdefault(id(variable), self.chain(layer))
+        self._bind_scaler_paths(getattr(model, "optimizer", None), owner_by_id)
+
+    def _bind_scaler_paths(self, optimizer, owner_by_id) -> None:
+        """Map our scaler's record paths to the layers owning their variables.
+
+        By the variables themselves: paths may repeat between layers (see
+        `LossScaleOptimizer.tracked_variable_paths`).
+        """
+        if not isinstance(optimizer, LossScaleOptimizer):
+            return
+        if not _compat.optimizer_built(optimizer):
+            return
+        paths = optimizer.tracked_variable_paths()
+        for path, variable in zip(paths, optimizer.tracked_variables(), strict=True):
+            owner = owner_by_id.get(id(variable))
+            if owner is not None:
+                self.owner_of_variable[path] = owner
 
     def chain(self, layer) -> str:
         """Return the name chain of `layer` (its identity in lists and logs)."""

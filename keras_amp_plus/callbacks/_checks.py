@@ -15,6 +15,7 @@ import numpy as np
 
 from keras_amp_plus import _compat
 from keras_amp_plus._arguments import is_int, is_real
+from keras_amp_plus._lists import layer_names
 from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks._allocator_check import warn_once_if_allocator_unpooled
 from keras_amp_plus.callbacks._event_log import check_writable
@@ -158,7 +159,41 @@ def check_fit_setup(monitor, model):
     warn_once_if_bfloat16_is_slow(model, engine)
     warn_once_if_allocator_unpooled()
     warn_if_float16_is_unscaled(model, engine)
+    if monitor.adapt:
+        warn_if_policies_are_out_of_reach(model, engine)
     return engine
+
+
+POLICIES_OUT_OF_REACH = (
+    "AMPMonitor: engine=%r moves op types between lists, but %d layer(s) "
+    "compute in 16 bits under their Keras dtype policy (%s), which op lists "
+    "cannot change: denying such a layer would leave it in 16 bits. Use "
+    "engine='keras' (what 'auto' picks for a model with a mixed policy), or "
+    "train the model in float32 and let the engine's rewrite lower precision."
+)
+
+
+def policy_out_of_reach(layer, engine) -> bool:
+    """Return True when `engine` cannot move `layer` to float32.
+
+    Graph engines rewrite float32 ops; a layer whose Keras dtype policy
+    computes in 16 bits does so whatever their op lists say.
+    """
+    compute = layer.dtype_policy.compute_dtype
+    return engine.level == "op" and compute in ("float16", "bfloat16")
+
+
+def warn_if_policies_are_out_of_reach(model, engine) -> None:
+    """Log a warning when a graph engine could not deny the model's layers."""
+    layers = [
+        layer
+        for layer in layer_names.candidate_layers(model)
+        if policy_out_of_reach(layer, engine)
+    ]
+    if layers:
+        names = ", ".join(repr(layer.name) for layer in layers[:5])
+        more = f" and {len(layers) - 5} more" if len(layers) > 5 else ""
+        logger.warning(POLICIES_OUT_OF_REACH, engine.name, len(layers), names + more)
 
 
 def warn_if_float16_is_unscaled(model, engine=None) -> None:

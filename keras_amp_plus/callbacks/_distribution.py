@@ -268,16 +268,15 @@ def check_jit_compile(model) -> None:
     Args:
         model: the compiled model.
     """
-    if model.jit_compile is not True:
+    if not _compat.jit_compile_on(model):
         return
     strategy = model.distribute_strategy
     problem = jit_compile_problem(strategy)
     if problem is not None:
         raise ValueError(
-            f"`jit_compile=True` cannot train here: {problem}. Keras's default "
-            "`jit_compile='auto'` turns XLA off under tf.distribute for this "
-            "reason. Compile the model with `jit_compile=False` (or 'auto'). "
-            "Received: jit_compile=True, devices="
+            f"`jit_compile=True` cannot train here: {problem}. "
+            f"{_compat.JIT_COMPILE_OFF_ADVICE}. Received: "
+            f"jit_compile={model.jit_compile!r}, devices="
             f"{list(strategy.extended.worker_devices)}"
         )
 

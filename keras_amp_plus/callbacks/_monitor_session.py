@@ -60,6 +60,10 @@ CAST_OUTSIDE_THE_LAYER = (
     "bring the inputs into the 16-bit range before the model (e.g. rescale "
     "them in the input pipeline)."
 )
+POLICY_OUT_OF_REACH = (
+    "Its Keras dtype policy computes it in 16 bits, which the engine's op "
+    "lists cannot change. Use engine='keras' for a model with a mixed policy."
+)
 OVERFLOW_IN_FLOAT32 = (
     "Its output is not finite in float32 either: the values themselves "
     "diverge, which no precision fixes. Check the inputs, lower the learning "
@@ -637,15 +641,23 @@ class MonitorSession:
                         "evidence": event["evidence"],
                     }
                 )
-                cast = event["evidence"].endswith("input_cast")
                 logger.warning(
                     DENIAL_WITHOUT_EFFECT,
                     epoch,
                     layer,
                     event["evidence"],
                     ", so every such step is skipped" if self.has_scaler() else "",
-                    CAST_OUTSIDE_THE_LAYER if cast else OVERFLOW_IN_FLOAT32,
+                    self._why_denial_fails(layer, event),
                 )
+
+    def _why_denial_fails(self, layer_path: str, event) -> str:
+        """Return why a denied layer's forward pass still overflows."""
+        layer = self.index.by_path.get(layer_path)
+        if layer is not None and checks.policy_out_of_reach(layer, self.engine):
+            return POLICY_OUT_OF_REACH
+        if event["evidence"].endswith("input_cast"):
+            return CAST_OUTSIDE_THE_LAYER
+        return OVERFLOW_IN_FLOAT32
 
     def adapt(self, epoch, evidence) -> list:
         """Apply the adaptation rule; return the list changes it decided.

@@ -293,7 +293,7 @@ class StepRecorder:
         """
         model = self.model
         return (
-            model.jit_compile is True
+            _compat.jit_compile_on(model)
             and _compat.CAN_BUILD_TRAIN_FUNCTION_WITHOUT_XLA
             and distribution.allows_nested_xla_step(model.distribute_strategy)
         )

@@ -149,7 +149,10 @@ def fit_xla_status() -> dict:
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse", jit_compile=_compat.JIT_COMPILE_DEFAULT)
-    return {"jit_compile": bool(model.jit_compile)}
+    return {
+        "jit_compile": bool(model.jit_compile),
+        "default": _compat.JIT_COMPILE_DEFAULT,
+    }
 
 
 # The layers' path measurement gets this many times the probe budget (each

@@ -63,9 +63,10 @@ def _features_line(cpu: dict) -> str:
 
 def _xla_line(xla: dict) -> str:
     """Return whether `fit` is XLA-compiled and what that means for graph AMP."""
+    default = f"jit_compile={xla.get('default', 'auto')!r}"
     if xla["jit_compile"]:
-        return 'yes (jit_compile="auto" -> True): graph AMP does not apply'
-    return 'no (jit_compile="auto" -> False): graph AMP applies'
+        return f"yes ({default} -> True): graph AMP does not apply"
+    return f"no ({default} -> False): graph AMP applies"
 
 
 def _probe_lines(probe: dict) -> list:

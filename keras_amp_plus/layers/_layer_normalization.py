@@ -125,6 +125,10 @@ class LayerNormalization(keras.layers.LayerNormalization):
         """Create the layer from its config, as saved by Keras 3 or Keras 2."""
         return super().from_config(_compat.portable_layer_config(config))
 
+    def build_from_config(self, config):
+        """Build the layer as saved, its weights named after it (Keras 2 too)."""
+        _compat.build_from_config(self, config, super().build_from_config)
+
     def build(self, input_shape):
         """Check the axes against the input, then create `gamma` and `beta`."""
         axes = self.axis if isinstance(self.axis, list) else [self.axis]

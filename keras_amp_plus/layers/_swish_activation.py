@@ -564,6 +564,10 @@ class Swish(keras.layers.Layer):
         """Create the layer from its config, as saved by Keras 3 or Keras 2."""
         return super().from_config(_compat.portable_layer_config(config))
 
+    def build_from_config(self, config):
+        """Build the layer as saved, its weights named after it (Keras 2 too)."""
+        _compat.build_from_config(self, config, super().build_from_config)
+
     def get_config(self):
         """Return `beta` (the initial value) and `trainable_beta`."""
         config = {"beta": self.initial_beta, "trainable_beta": self.trainable_beta}

@@ -218,8 +218,7 @@ def _check_not_xla_over_replicas() -> None:
         return
     raise ValueError(
         f"LossScaleOptimizer cannot train in a `jit_compile=True` step here: "
-        f"{why} (Keras's default `jit_compile='auto'` turns XLA off under "
-        "tf.distribute). Compile the model with `jit_compile=False`. Received: "
+        f"{why}. {_compat.JIT_COMPILE_OFF_ADVICE}. Received: "
         f"jit_compile=True, devices={devices}"
     )
 

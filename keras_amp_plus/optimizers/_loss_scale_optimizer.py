@@ -246,8 +246,16 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
         _scale_schedule.check_min_scale_on_host(self)
 
     def tracked_variable_paths(self) -> list[str]:
-        """Return variable paths in the order of the per-variable records."""
+        """Return variable paths in the order of the per-variable records.
+
+        Each path once: one that repeats between variables gets its rank
+        after it (`"gamma#2"`).
+        """
         return _overflow_records.tracked_variable_paths(self)
+
+    def tracked_variables(self) -> list:
+        """Return the variables of the per-variable records, in their order."""
+        return _overflow_records.tracked_variables(self)
 
     def read_events(self, since_count: int = 0) -> list[dict]:
         """Return the overflow events with index greater than `since_count`.

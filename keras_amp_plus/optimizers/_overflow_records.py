@@ -7,6 +7,7 @@ aggregation and are updated once per step (in cross-replica context under a
 there are, and a later multi-worker reduction has one well-defined value.
 """
 
+import collections
 import numbers
 import threading
 import warnings
@@ -331,9 +332,26 @@ def overflow_summary(optimizer) -> dict:
 
 
 def tracked_variable_paths(optimizer) -> list:
-    """Return the variable paths in the order of the per-variable records."""
+    """Return the variable paths in the order of the per-variable records.
+
+    Each path once: a path that repeats (on Keras 2, custom layers reloaded
+    from a `.keras` file by another library may name their variables
+    "gamma:0" alike) gets its rank after it, `"gamma#2"`.
+    """
     require_built(optimizer, "tracked_variable_paths")
-    return [_compat.variable_path(v) for v in optimizer._tracked.variables]
+    paths = [_compat.variable_path(v) for v in tracked_variables(optimizer)]
+    seen = collections.Counter()
+    unique = []
+    for path in paths:
+        seen[path] += 1
+        unique.append(path if seen[path] == 1 else f"{path}#{seen[path]}")
+    return unique
+
+
+def tracked_variables(optimizer) -> list:
+    """Return the variables of the per-variable records, in their order."""
+    require_built(optimizer, "tracked_variables")
+    return list(optimizer._tracked.variables)
 
 
 def read_records(optimizer, since_count: int = 0) -> list[OverflowRecord]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_python
 
 import keras_amp_plus
 
@@ -291,15 +292,9 @@ def test_without_tensorflow_the_import_says_what_to_install():
         "except ImportError as error:\n"
         "    print(error)\n"
     )
-    completed = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert "keras_amp_plus needs TensorFlow" in completed.stdout
-    assert 'pip install "keras-amp-plus[cpu]"' in completed.stdout
+    stdout = run_python(script, timeout=120)
+    assert "keras_amp_plus needs TensorFlow" in stdout
+    assert 'pip install "keras-amp-plus[cpu]"' in stdout
 
 
 def test_a_package_run_with_dash_m_that_imports_this_one_registers_the_layers(
@@ -341,15 +336,9 @@ def test_a_missing_dependency_of_tensorflow_is_not_reported_as_tensorflow():
         "except ImportError as error:\n"
         "    print(type(error).__name__, error)\n"
     )
-    completed = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert "ModuleNotFoundError No module named 'google.protobuf'" in completed.stdout
-    assert "needs TensorFlow" not in completed.stdout
+    stdout = run_python(script, timeout=120)
+    assert "ModuleNotFoundError No module named 'google.protobuf'" in stdout
+    assert "needs TensorFlow" not in stdout
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,22 @@ def layer_path(layer) -> str:
     return layer.path if IS_KERAS_3 else layer.name
 
 
+def computes_under_parent_policy(layer, parent) -> bool:
+    """Return whether `parent` runs `layer` under `parent`'s dtype policy.
+
+    Keras 3's `TimeDistributed` runs its layer by `self.layer.call(...)`, not
+    through the layer's `__call__`: the inputs arrive cast to the wrapper's
+    compute dtype and the variables are read in the wrapper's autocast
+    scope, whatever the wrapped layer's own policy says. Keras 2's calls
+    the layer, whose own policy then applies.
+    """
+    return (
+        IS_KERAS_3
+        and isinstance(parent, keras.layers.TimeDistributed)
+        and parent.layer is layer
+    )
+
+
 def variable_path(variable) -> str:
     """Return the variable's unique path (Keras 3 `Variable.path`).
 

@@ -463,3 +463,82 @@ def test_a_subclassed_models_own_cast_is_named_with_its_fix(
     else:
         assert warnings == []
         assert np.isfinite(history.history["loss"][-1])
+
+
+def _sequence_model(wrap):
+    """`hot` overflows float16 on (4, 8) sequences, run by `wrap(hot)`."""
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 8))
+    h = keras.layers.Dense(8, name="embed")(inputs)
+    h = wrap(_hot_dense("hot"))(h)
+    h = keras.layers.LayerNormalization(name="ln")(h)
+    outputs = keras.layers.Dense(1, name="head")(keras.layers.Flatten()(h))
+    model = keras.Model(inputs, outputs)
+    optimizer = LossScaleOptimizer(keras.optimizers.Adam(0.01), on_min_scale="ignore")
+    model.compile(optimizer, "mse")
+    return model
+
+
+def _fit_sequences(model, log_dir, caplog, epochs=3):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4, 8)).astype("float32")
+    y = np.tanh(x.mean(axis=(1, 2)))[:, None].astype("float32")
+    monitor = AMPMonitor(log_dir, deny_threshold=1, patience=50)
+    with caplog.at_level(logging.WARNING, logger="keras_amp_plus"):
+        history = model.fit(
+            x, y, batch_size=8, epochs=epochs, verbose=0, callbacks=[monitor]
+        )
+    return monitor, history
+
+
+def test_a_layer_time_distributed_runs_is_denied_through_the_wrapper(
+    tmp_path, caplog
+):
+    # Keras 3's TimeDistributed runs its layer by `call`, under the wrapper's
+    # policy: the denial of 'td/hot' must reach the wrapper to take effect.
+    model = _sequence_model(
+        lambda layer: keras.layers.TimeDistributed(layer, name="td")
+    )
+    monitor, history = _fit_sequences(model, str(tmp_path), caplog)
+    assert monitor.lists.deny_layers == ("td/hot",)
+    # At most the scaler's search once the scale is put back, then none.
+    assert history.history["overflow_events"][1] <= 1
+    assert history.history["overflow_events"][2] == 0
+    assert np.isfinite(history.history["loss"][2])
+    wrapper = model.get_layer("td")
+    assert (wrapper.compute_dtype, wrapper.layer.compute_dtype) == (
+        "float32",
+        "float32",
+    )
+    assert model.get_layer("ln").compute_dtype == "float16"
+    assert not [r for r in caplog.records if "still overflows" in r.message]
+
+
+class _RunsByCall(keras.layers.Layer):
+    """A wrapper of a user's that runs its layer by `call`, as TimeDistributed."""
+
+    def __init__(self, layer, **kwargs):
+        super().__init__(**kwargs)
+        self.layer = layer
+
+    def build(self, input_shape):
+        self.layer.build(input_shape)
+
+    def call(self, inputs):
+        return self.layer.call(inputs)
+
+
+def test_a_denied_layer_run_under_another_policy_is_said_with_its_fix(
+    tmp_path, caplog
+):
+    # A wrapper the monitor does not know: the denial of 'wrap/hot' changes
+    # nothing, and the warning says why (not that float32 diverges too).
+    model = _sequence_model(lambda layer: _RunsByCall(layer, name="wrap"))
+    monitor, history = _fit_sequences(model, str(tmp_path), caplog)
+    assert monitor.lists.deny_layers == ("wrap/hot",)
+    assert history.history["overflow_events"][1:] == [4, 4]
+    warnings = [r.message for r in caplog.records if "still overflows" in r.message]
+    assert len(warnings) == 1
+    assert "Deny the layer around it" in warnings[0]
+    assert "diverge" not in warnings[0]

@@ -189,3 +189,32 @@ def test_apply_between_epochs_inside_fit(policy):
     assert callback.head_dtypes == [LOW[policy]] * 2 + ["float32"] * 2
     assert np.all(np.isfinite(history.history["loss"]))
     assert model.predict(x, verbose=0).dtype == np.float32
+
+
+def _time_distributed_model():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    inputs = keras.Input((3, 4))
+    hidden = keras.layers.TimeDistributed(keras.layers.Dense(4, name="d"), name="td")(
+        inputs
+    )
+    return keras.Model(inputs, keras.layers.Dense(2, name="head")(hidden))
+
+
+def test_denying_a_layer_time_distributed_runs_sets_the_wrappers_policy_too():
+    # Keras 3's TimeDistributed runs its layer by `call`, under its own policy.
+    model = _time_distributed_model()
+    engine = KerasEngine()
+    engine.apply(model, PrecisionLists(deny_layers=("td/d",)))
+    wrapper = model.get_layer("td")
+    assert (wrapper.compute_dtype, wrapper.layer.compute_dtype) == (
+        "float32",
+        "float32",
+    )
+    x = np.random.default_rng(0).normal(size=(2, 3, 4)).astype("float32")
+    assert wrapper(x).dtype == "float32"
+    assert model.get_layer("head").compute_dtype == "bfloat16"
+    engine.apply(model, PrecisionLists())
+    assert (wrapper.compute_dtype, wrapper.layer.compute_dtype) == (
+        "bfloat16",
+        "bfloat16",
+    )

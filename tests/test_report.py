@@ -2,6 +2,7 @@ import os
 import re
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -83,6 +84,20 @@ def test_layers_without_weights_are_named_by_their_chain():
     assert chains == ["a/drop", "b/drop"]
     assert "None" not in str(report) and "None" not in report.to_markdown()
     assert "a/drop" in str(report) and "b/drop" in report.to_markdown()
+
+
+def test_a_layer_time_distributed_runs_reports_the_dtype_it_computes_in():
+    # Keras 3's TimeDistributed runs its layer under the wrapper's policy:
+    # the float32 Dense inside computes in bfloat16, and the report says so.
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    dense = keras.layers.Dense(4, dtype="float32", name="d")
+    model = keras.Sequential(
+        [keras.Input((3, 4)), keras.layers.TimeDistributed(dense, name="td")]
+    )
+    assert model(np.ones((1, 3, 4), "float32")).dtype == "bfloat16"
+    rows = {row["chain"]: row for row in precision_report(model, "keras")["layers"]}
+    assert rows["td/d"]["compute_dtype"] == "bfloat16"
+    assert rows["td/d"]["low_precision"]
 
 
 @pytest.mark.onednn

@@ -73,6 +73,44 @@ def layer_chains(model) -> dict:
     return chains
 
 
+def policy_owners(model) -> dict:
+    """Return `{id(layer): owner}` for the layers that compute under another's policy.
+
+    A layer a wrapper runs under the wrapper's own dtype policy (Keras 3's
+    `TimeDistributed`, `_compat.computes_under_parent_policy`) computes in
+    the policy of that wrapper, or of the wrapper's owner in turn: setting
+    the wrapped layer's policy alone changes nothing. Layers computing under
+    their own policy are absent.
+
+    Args:
+        model: a Keras model (or layer).
+
+    Returns:
+        The owner of each such layer nested in `model`: the outermost layer
+        whose policy it computes under.
+
+    Example:
+    >>> import keras
+    >>> wrapper = keras.layers.TimeDistributed(keras.layers.Dense(2), name="td")
+    >>> model = keras.Sequential([keras.Input((3, 4)), wrapper])
+    >>> [owner.name for owner in policy_owners(model).values()]
+    ['td']
+    """
+    owners, seen = {}, set()
+
+    def walk(parent):
+        for layer in _compat.direct_sublayers(parent):
+            if id(layer) in seen or isinstance(layer, keras.layers.InputLayer):
+                continue
+            seen.add(id(layer))
+            if _compat.computes_under_parent_policy(layer, parent):
+                owners[id(layer)] = owners.get(id(parent), parent)
+            walk(layer)
+
+    walk(model)
+    return owners
+
+
 def _identifiers(layer, chain=None) -> tuple:
     names = [layer.name]
     for alias in (chain, _compat.layer_path(layer)):

@@ -32,6 +32,9 @@ from keras_amp_plus._lists.layer_names import layer_chains
 from keras_amp_plus.optimizers import LossScaleOptimizer
 
 BAD_DATA = "bad_data"  # the replayed batch itself holds Inf/NaN
+# A float32 layer whose output came out in 16 bits: something runs it under
+# another layer's policy (by its `call`), so its own policy does not apply.
+OUTPUT_OUTSIDE_ITS_POLICY = "output, in 16 bits under its float32 policy"
 
 
 class LayerIndex:
@@ -124,6 +127,17 @@ def _all_finite(structure) -> bool:
     return True
 
 
+def _outside_its_policy(layer, outputs) -> bool:
+    """Return True when a float32 layer's floating outputs came out in 16 bits."""
+    if layer.compute_dtype != "float32":
+        return False
+    return any(
+        isinstance(value, (tf.Tensor, tf.Variable))
+        and value.dtype in (tf.float16, tf.bfloat16)
+        for value in tf.nest.flatten(outputs)
+    )
+
+
 def _cast_overflow_inside(inputs, inside):
     """Return the layer called inside a container that overflowed casting its inputs.
 
@@ -163,7 +177,8 @@ def find_forward_overflow(model, data, layers, name=None) -> dict:
 
     Returns:
         `{"layer": name or None, "reason": str}`. `reason` is one of
-        `"output"` (finite inputs, non-finite output), `"input_cast"` (the layer's
+        `"output"` (finite inputs, non-finite output; `OUTPUT_OUTSIDE_ITS_POLICY`
+        where that output is 16-bit from a float32 layer), `"input_cast"` (the layer's
         inputs became non-finite when cast to its compute dtype), `"bad_data"`
         (the batch itself holds Inf/NaN), `"non-finite weights in <path>"` (an
         unguarded update already broke the weights) or `"not_reproduced"`.
@@ -188,7 +203,9 @@ def find_forward_overflow(model, data, layers, name=None) -> dict:
                 cast_inside = _cast_overflow_inside(
                     (args, kwargs), entered[first_inside:]
                 )
-            finished.append((layer, inputs_finite, _all_finite(outputs), cast_inside))
+            finished.append(
+                (layer, inputs_finite, _all_finite(outputs), cast_inside, outputs)
+            )
             return outputs
 
         return probed_call
@@ -209,7 +226,7 @@ def find_forward_overflow(model, data, layers, name=None) -> dict:
             model.non_trainable_variables, saved_state, strict=True
         ):
             variable.assign(value)
-    for layer, inputs_finite, outputs_finite, cast_inside in finished:
+    for layer, inputs_finite, outputs_finite, cast_inside, outputs in finished:
         if inputs_finite and not outputs_finite:
             if cast_inside is not None:
                 return {"layer": name(cast_inside), "reason": "input_cast"}
@@ -218,6 +235,8 @@ def find_forward_overflow(model, data, layers, name=None) -> dict:
                 # Weights already broken by an earlier unguarded update: the
                 # replay cannot tell where the overflow began.
                 return {"layer": None, "reason": f"non-finite weights in {path}"}
+            if _outside_its_policy(layer, outputs):
+                return {"layer": path, "reason": OUTPUT_OUTSIDE_ITS_POLICY}
             return {"layer": path, "reason": "output"}
     for layer, inputs_finite in entered:
         if not inputs_finite:

@@ -18,7 +18,7 @@ from keras_amp_plus.callbacks import _checks as checks
 from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks import _state as state_module
 from keras_amp_plus.callbacks._adaptation import Decision
-from keras_amp_plus.callbacks._attribution import LayerIndex
+from keras_amp_plus.callbacks._attribution import OUTPUT_OUTSIDE_ITS_POLICY, LayerIndex
 from keras_amp_plus.callbacks._event_collector import EventCollector
 from keras_amp_plus.callbacks._event_log import (
     EventLog,
@@ -63,6 +63,11 @@ CAST_OUTSIDE_THE_LAYER = (
 POLICY_OUT_OF_REACH = (
     "Its Keras dtype policy computes it in 16 bits, which the engine's op "
     "lists cannot change. Use engine='keras' for a model with a mixed policy."
+)
+POLICY_NOT_APPLIED = (
+    "It computes in 16 bits whatever its own policy says: the layer around it "
+    "runs it by its `call` method, under that layer's policy. Deny the layer "
+    "around it instead."
 )
 OVERFLOW_IN_FLOAT32 = (
     "Its output is not finite in float32 either: the values themselves "
@@ -657,6 +662,8 @@ class MonitorSession:
             return POLICY_OUT_OF_REACH
         if event["evidence"].endswith("input_cast"):
             return CAST_OUTSIDE_THE_LAYER
+        if event["evidence"].endswith(OUTPUT_OUTSIDE_ITS_POLICY):
+            return POLICY_NOT_APPLIED
         return OVERFLOW_IN_FLOAT32
 
     def adapt(self, epoch, evidence) -> list:

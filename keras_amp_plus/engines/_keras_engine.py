@@ -92,8 +92,9 @@ class KerasEngine(Engine):
         require_model(model, "KerasEngine.apply")
         lists = as_precision_lists(lists)
         self.check_lists(lists)
-        decisions = layer_names.layer_decisions(
-            model, lists.allow_layers, lists.deny_layers
+        decisions = _decided_owners(
+            model,
+            layer_names.layer_decisions(model, lists.allow_layers, lists.deny_layers),
         )
         mixed = self.mixed_policy(model)
         float32 = _compat.dtype_policy("float32")
@@ -139,6 +140,21 @@ class KerasEngine(Engine):
         return True
 
 
+def _decided_owners(model, decisions) -> dict:
+    """Return `decisions` with each decided layer's policy owner decided alike.
+
+    A layer computing under a wrapper's policy (`layer_names.policy_owners`)
+    changes precision only through the wrapper's: the wrapper takes the
+    wrapped layer's decision (the more specific one; a wrapper computes
+    nothing of its own but reshapes).
+    """
+    decided = dict(decisions)
+    for key, owner in layer_names.policy_owners(model).items():
+        if key in decisions:
+            decided[id(owner)] = (owner, decisions[key][1])
+    return decided
+
+
 def layer_precisions(model: keras.Model) -> list:
     """Return one dict per computing layer: name, name chain, path, class, dtypes.
 
@@ -146,17 +162,20 @@ def layer_precisions(model: keras.Model) -> list:
     layer by; every layer has one, where Keras's `path` is None for a layer
     without weights. Nested models are left out: their layers are listed, and
     a nested model's own policy computes nothing (nor is it saved with the
-    model).
+    model). A layer a wrapper runs under the wrapper's policy (Keras 3's
+    `TimeDistributed`) reports the policy it computes in, the wrapper's.
 
     Args:
         model: a Keras model.
     """
     chains = layer_names.layer_chains(model)
+    owners = layer_names.policy_owners(model)
     rows = []
     for layer in layer_names.candidate_layers(model):
         if isinstance(layer, keras.Model):
             continue
-        policy = layer.dtype_policy
+        # What it computes in: a wrapped layer's own policy may be ignored.
+        policy = owners.get(id(layer), layer).dtype_policy
         rows.append(
             {
                 "name": layer.name,

@@ -492,9 +492,7 @@ def _fit_sequences(model, log_dir, caplog, epochs=3):
     return monitor, history
 
 
-def test_a_layer_time_distributed_runs_is_denied_through_the_wrapper(
-    tmp_path, caplog
-):
+def test_a_layer_time_distributed_runs_is_denied_through_the_wrapper(tmp_path, caplog):
     # Keras 3's TimeDistributed runs its layer by `call`, under the wrapper's
     # policy: the denial of 'td/hot' must reach the wrapper to take effect.
     model = _sequence_model(
@@ -529,9 +527,7 @@ class _RunsByCall(keras.layers.Layer):
         return self.layer.call(inputs)
 
 
-def test_a_denied_layer_run_under_another_policy_is_said_with_its_fix(
-    tmp_path, caplog
-):
+def test_a_denied_layer_run_under_another_policy_is_said_with_its_fix(tmp_path, caplog):
     # A wrapper the monitor does not know: the denial of 'wrap/hot' changes
     # nothing, and the warning says why (not that float32 diverges too).
     model = _sequence_model(lambda layer: _RunsByCall(layer, name="wrap"))

@@ -274,6 +274,28 @@ def test_under_xla_the_floor_action_runs_at_the_next_host_read():
     optimizer.check_min_scale()  # already reported: silent until the next hit
 
 
+def test_under_xla_with_amp_monitor_the_default_warn_says_only_the_floor(tmp_path):
+    # AMPMonitor reads the scaler every epoch: the default "warn" needs no
+    # warning that it waits for the host, and the floor's own warning comes
+    # at the epoch's end. A later fit without the monitor is told again.
+    from keras_amp_plus.callbacks import AMPMonitor
+
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=4.0, min_scale=2.0
+    )
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer, "mse", jit_compile=True)
+    x = np.array([[INF, 1.0]] * 4, "float32")
+    y = np.ones((4, 1), "float32")
+    with pytest.warns(UserWarning) as said:
+        model.fit(x, y, batch_size=2, verbose=0, callbacks=[AMPMonitor(str(tmp_path))])
+    messages = [str(warning.message) for warning in said]
+    assert not [m for m in messages if "cannot act inside an XLA" in m]
+    assert [m for m in messages if "while the loss scale was already at its" in m]
+    with pytest.warns(UserWarning, match="cannot act inside an XLA-compiled"):
+        model.fit(x, y, batch_size=2, verbose=0)
+
+
 def test_floor_overflows_are_counted_in_every_mode():
     optimizer = LossScaleOptimizer(
         keras.optimizers.SGD(0.1),

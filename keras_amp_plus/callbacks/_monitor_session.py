@@ -31,7 +31,7 @@ from keras_amp_plus.callbacks._step_recorder import (
     SCALER_NONE,
     StepRecorder,
 )
-from keras_amp_plus.optimizers import LossScaleOptimizer
+from keras_amp_plus.optimizers import LossScaleOptimizer, _scale_schedule
 
 logger = logging.getLogger("keras_amp_plus")
 
@@ -156,6 +156,7 @@ class MonitorSession:
             # The scaler's variables are read by the wrapped step from its
             # first trace on; `BackupAndRestore` builds it the same way.
             optimizer.build(model.trainable_variables)
+        self._say_epoch_reads(True)
         self.index = LayerIndex(model)
         cache = step_cache
         if cache is not None and cache.fits(model, capacity, monitor):
@@ -198,6 +199,12 @@ class MonitorSession:
         self._before_returns = None
         self._written_scalars = None
         self.snapshots = {}
+
+    def _say_epoch_reads(self, reading: bool) -> None:
+        """Tell our scaler whether the monitor reads it every epoch (this `fit`)."""
+        optimizer = self.model.optimizer
+        if isinstance(optimizer, LossScaleOptimizer):
+            _scale_schedule.read_each_epoch(optimizer, reading)
 
     # -- start / resume ----------------------------------------------------------
     def start(self, epoch: int) -> None:
@@ -945,6 +952,7 @@ class MonitorSession:
         """
         self._report_unread()
         self.log.close()
+        self._say_epoch_reads(False)
         self.recorder.on_abort = lambda: None
         self.recorder.uninstall()
         if self.engine.level == "op":
@@ -986,6 +994,7 @@ class MonitorSession:
     def close(self) -> StepCache:
         """Flush, close and uninstall (end of `fit`); return the step to reuse."""
         self.log.close()
+        self._say_epoch_reads(False)
         wrapped = self.model.train_function
         self.recorder.uninstall()
         if self.engine.level == "op":

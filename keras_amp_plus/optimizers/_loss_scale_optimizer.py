@@ -77,8 +77,9 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
             step and what to try; `"warn"` warns once and goes on; `"ignore"`.
             Under `jit_compile=True` (XLA cannot call back to Python) the
             action runs at the next `overflow_summary()`, `read_events()` or
-            `check_min_scale()` call, raising `RuntimeError` for `"raise"`.
-            Defaults to `"warn"`.
+            `check_min_scale()` call, raising `RuntimeError` for `"raise"`
+            (`AMPMonitor` makes one every epoch; without it a warning says
+            the action waits). Defaults to `"warn"`.
         event_buffer_size: int from 1 to 65536, capacity of the event ring buffer.
             Defaults to `64`.
         name: optional name. Defaults to `None`.
@@ -139,6 +140,11 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
         # `check_min_scale`): the action then runs on the host.
         self._min_scale_action_on_host = False
         self._min_scale_overflows_seen = 0
+        # Whether the wait was said, and whether a callback reads the records
+        # every epoch (`_scale_schedule.read_each_epoch`), which makes it moot
+        # for "warn".
+        self._deferral_said = False
+        self._read_each_epoch = False
         self._loss_watch = _overflow_records.LossWatch()
         self._compiled_updates = _compiled_update.CompiledUpdates()
 

@@ -106,18 +106,36 @@ def act_at_floor(optimizer, step, scale_before) -> None:
     )
 
 
+def read_each_epoch(optimizer, reading: bool) -> None:
+    """Say whether a callback reads `optimizer`'s records every epoch.
+
+    `AMPMonitor` does, from `on_train_begin` to `on_train_end`: an
+    XLA-compiled step's floor overflows are then acted on at each epoch's
+    end, and "warn" (the default) needs no warning that the action waits.
+
+    Args:
+        optimizer: a `keras_amp_plus.optimizers.LossScaleOptimizer`.
+        reading: True while such a callback runs.
+    """
+    optimizer._read_each_epoch = bool(reading)
+
+
 def _defer_to_host(optimizer):
-    if not optimizer._min_scale_action_on_host:
-        optimizer._min_scale_action_on_host = True
-        warnings.warn(
-            f"LossScaleOptimizer: on_min_scale={optimizer.on_min_scale!r} cannot "
-            "act inside an XLA-compiled train step (jit_compile=True). Overflows "
-            "at the floor are counted in `min_scale_overflow_count` and acted on "
-            "at the next `overflow_summary()`, `read_events()` or "
-            "`check_min_scale()` call (AMPMonitor reads them every epoch).",
-            UserWarning,
-            stacklevel=2,
-        )
+    optimizer._min_scale_action_on_host = True
+    if optimizer._deferral_said:
+        return
+    if optimizer.on_min_scale == "warn" and optimizer._read_each_epoch:
+        return  # the epoch's read warns, if the floor is ever hit
+    optimizer._deferral_said = True
+    warnings.warn(
+        f"LossScaleOptimizer: on_min_scale={optimizer.on_min_scale!r} cannot "
+        "act inside an XLA-compiled train step (jit_compile=True). Overflows "
+        "at the floor are counted in `min_scale_overflow_count` and acted on "
+        "at the next `overflow_summary()`, `read_events()` or "
+        "`check_min_scale()` call (AMPMonitor reads them every epoch).",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def check_min_scale_on_host(optimizer) -> None:

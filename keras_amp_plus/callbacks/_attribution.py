@@ -203,8 +203,15 @@ def find_forward_overflow(model, data, layers, name=None) -> dict:
                 cast_inside = _cast_overflow_inside(
                     (args, kwargs), entered[first_inside:]
                 )
+            # Facts only: keeping the outputs would hold every activation.
             finished.append(
-                (layer, inputs_finite, _all_finite(outputs), cast_inside, outputs)
+                (
+                    layer,
+                    inputs_finite,
+                    _all_finite(outputs),
+                    cast_inside,
+                    _outside_its_policy(layer, outputs),
+                )
             )
             return outputs
 
@@ -226,7 +233,7 @@ def find_forward_overflow(model, data, layers, name=None) -> dict:
             model.non_trainable_variables, saved_state, strict=True
         ):
             variable.assign(value)
-    for layer, inputs_finite, outputs_finite, cast_inside, outputs in finished:
+    for layer, inputs_finite, outputs_finite, cast_inside, outside in finished:
         if inputs_finite and not outputs_finite:
             if cast_inside is not None:
                 return {"layer": name(cast_inside), "reason": "input_cast"}
@@ -235,7 +242,7 @@ def find_forward_overflow(model, data, layers, name=None) -> dict:
                 # Weights already broken by an earlier unguarded update: the
                 # replay cannot tell where the overflow began.
                 return {"layer": None, "reason": f"non-finite weights in {path}"}
-            if _outside_its_policy(layer, outputs):
+            if outside:
                 return {"layer": path, "reason": OUTPUT_OUTSIDE_ITS_POLICY}
             return {"layer": path, "reason": "output"}
     for layer, inputs_finite in entered:

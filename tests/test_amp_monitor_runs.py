@@ -134,6 +134,33 @@ def test_an_epoch_of_skipped_steps_reads_its_worst_in_callbacks_before_the_monit
     assert history.history["loss"][1] == pytest.approx(second["loss"])
 
 
+class BatchLossSpy(keras.callbacks.Callback):
+    """Keeps each epoch's batch-end losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.losses.append([])
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses[-1].append(float(logs["loss"]))
+
+
+def test_batch_logs_before_an_epochs_first_applied_step_are_the_steps_own(tmp_path):
+    # Every step of the first epoch overflows forward: their losses are not
+    # finite, and the batch logs say so (as Keras's do without the monitor),
+    # not the metrics' empty 0. After the denial the steps apply.
+    model = overflow_model("mixed_float16")
+    spy = BatchLossSpy()
+    history = train(model, [AMPMonitor(str(tmp_path)), spy], epochs=2)
+    assert history.history["overflow_events"][0] == STEPS_PER_EPOCH
+    first, second = spy.losses
+    assert len(first) == STEPS_PER_EPOCH and not np.isfinite(first).any()
+    assert np.isfinite(second).all()
+
+
 def test_an_epoch_of_skipped_steps_is_never_the_best(tmp_path):
     # Keras 3 takes the first value its monitoring callbacks see for the
     # best, NaN included (no value beats NaN after it): the skipped first

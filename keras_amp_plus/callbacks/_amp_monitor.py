@@ -145,7 +145,8 @@ class AMPMonitor(keras.callbacks.Callback):
             listed, reads each metric's worst value (`inf` for the loss,
             `-inf` for accuracy, NaN where Keras knows no direction), which
             any later measured epoch beats (Keras would report 0, a best
-            loss). Defaults to `True`.
+            loss); a batch's logs before the epoch's first applied step are
+            that step's own, as Keras logs them. Defaults to `True`.
 
     Example:
     >>> import keras, numpy as np

@@ -425,8 +425,11 @@ class StepRecorder:
                 leaves, scale_before, losses, saved_metrics
             )
             if saved_metrics is not None:
-                # Logs the step took from the metrics, put back: theirs again.
-                outputs = self._metrics_result(outputs, left_out & updated)
+                # Logs the step took from the metrics, put back: theirs again,
+                # once they hold a step (before, they would read Keras's
+                # empty 0: the step keeps its own, as Keras logs it).
+                replace = left_out & updated & self._metrics_hold_a_step()
+                outputs = self._metrics_result(outputs, replace)
             return outputs, keep, step
 
         def train_step(data):
@@ -515,6 +518,20 @@ class StepRecorder:
             return None
         # Metrics built by this very step (the first trace) are not restored.
         return [(v, tf.identity(v)) for v in self._metric_variables()]
+
+    def _metrics_hold_a_step(self):
+        """Return a boolean tensor: whether the metrics hold any step's values.
+
+        `fit` resets them to zeros at each epoch's start, and a step left
+        out of them puts them back; any step they took leaves a nonzero
+        count.
+        """
+        variables = self._metric_variables()
+        if not variables:
+            return tf.constant(False)
+        return tf.reduce_any(
+            [tf.reduce_any(tf.not_equal(v, tf.zeros_like(v))) for v in variables]
+        )
 
     def _metrics_result(self, outputs, replace):
         """Return the step's logs, from the metrics where `replace` is True.

@@ -218,3 +218,20 @@ def test_denying_a_layer_time_distributed_runs_sets_the_wrappers_policy_too():
         "bfloat16",
         "bfloat16",
     )
+
+
+def test_an_allowed_layer_keeps_a_mixed_policy_of_its_own():
+    # The user computes one layer in float16 inside a bfloat16 model: denied
+    # and allowed back, it is float16 again, not the model's bfloat16.
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(4, dtype="mixed_float16", name="own")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(hidden))
+    engine = KerasEngine()
+    engine.apply(model, PrecisionLists(deny_layers=("own",)))
+    assert model.get_layer("own").compute_dtype == "float32"
+    engine.apply(model, PrecisionLists(allow_layers=("own", "head")))
+    assert model.get_layer("own").dtype_policy.name == "mixed_float16"
+    assert model.get_layer("head").dtype_policy.name == "mixed_bfloat16"
+    engine.apply(model, PrecisionLists())
+    assert model.get_layer("own").dtype_policy.name == "mixed_float16"

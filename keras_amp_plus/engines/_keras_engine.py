@@ -1,9 +1,10 @@
 """The `keras` engine: layer lists as per-layer Keras dtype policies.
 
-deny -> `"float32"`; allow -> the mixed policy (the model's, else a layer's,
-else the global one when it is mixed, else `"mixed_bfloat16"`); a layer in
-neither list gets back the policy it had before this engine first touched it,
-so moves are reversible. The policy is part of each layer's config, so the
+deny -> `"float32"`; allow -> the layer's own policy where it was mixed before
+this engine first touched it, else the mixed policy (the model's, else a
+layer's, else the global one when it is mixed, else `"mixed_bfloat16"`); a
+layer in neither list gets back the policy it had before this engine first
+touched it, so moves are reversible. The policy is part of each layer's config, so the
 choice survives `model.save` / `keras.saving.load_model`.
 
 Policies are swapped with the `layer.dtype_policy` setter: variables stay as
@@ -102,10 +103,13 @@ class KerasEngine(Engine):
         for layer in layer_names.candidate_layers(model):
             if id(layer) in decisions:
                 _, kind = decisions[id(layer)]
-                self._original_policies.setdefault(
+                _, original = self._original_policies.setdefault(
                     id(layer), (layer, layer.dtype_policy)
                 )
-                policy = float32 if kind == "deny" else mixed
+                # Allowed, a layer the user gave a mixed policy of its own
+                # keeps it (mixed_float16 in a mixed_bfloat16 model).
+                allowed = original if is_mixed(original) else mixed
+                policy = float32 if kind == "deny" else allowed
                 changed |= self._set_policy(layer, policy)
             elif id(layer) in self._original_policies:
                 _, original = self._original_policies.pop(id(layer))

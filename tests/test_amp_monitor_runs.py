@@ -756,3 +756,56 @@ def test_a_run_continued_by_another_fit_writes_each_point_once(tmp_path):
         for r in events
     )
     assert sorted(scalar_series(accumulator, "amp/overflow_events")) == [0, 1, 2]
+
+
+class _AmplifyingHot(keras.layers.Layer):
+    """`x @ 20 * 1e-3`: overflows float16 forward, and `d1`'s gradients too.
+
+    The product overflows for inputs of order 400; the large kernel scales
+    the gradients reaching `d1` up.
+    """
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(
+            shape=(input_shape[-1], 32), initializer=keras.initializers.Constant(20.0)
+        )
+
+    def call(self, inputs):
+        return keras.ops.matmul(inputs, self.kernel) * 1e-3
+
+
+def test_the_scale_put_back_keeps_the_backoffs_for_backward_overflows(tmp_path):
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((16,))
+    hidden = _AmplifyingHot(name="hot")(inputs)
+    hidden = keras.layers.Dense(16, activation="relu", name="d1")(hidden)
+    model = keras.Model(
+        inputs, keras.layers.Dense(1, name="out", dtype="float32")(hidden)
+    )
+    model.compile(LossScaleOptimizer(keras.optimizers.Adam(1e-3)), "mse")
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(64, 16)) * 400.0).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[AMPMonitor(str(tmp_path))],
+    )
+    records = read_jsonl(str(tmp_path))
+    overflows = [r for r in records if r["type"] == "overflow"]
+    forward = [r for r in overflows if r["direction"] == "forward"]
+    assert forward and {tuple(r["layers"]) for r in forward} == {("hot",)}
+    since = [r for r in overflows if r["step"] > forward[0]["step"]]
+    backward = [r for r in since if r["direction"] == "backward"]
+    assert backward, "no backward overflow after the first forward one"
+    expected = forward[0]["scale_before"]
+    for record in backward:
+        expected *= record["scale_after"] / record["scale_before"]
+    restored = [r for r in records if r["type"] == "scale_restored"]
+    assert [r["to"] for r in restored] == [expected]
+    assert expected < forward[0]["scale_before"]

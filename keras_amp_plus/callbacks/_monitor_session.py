@@ -491,11 +491,22 @@ class MonitorSession:
         return adaptation["scale_before_forward"]
 
     def _note_forward_scale(self, event) -> None:
-        """Remember the scale before a layer's first forward overflow (`adapt`)."""
-        if event["direction"] == "forward" and event["scale_before"] is not None:
-            scales = self._scales_before_forward()
-            for layer in event["layers"]:
-                scales.setdefault(layer, event["scale_before"])
+        """Remember the scale to put back if a layer overflowing forward is denied.
+
+        The scale before its first forward overflow, backed off as the
+        scaler did for each backward overflow since: those are signs the
+        scale was too high, which a denial does not undo.
+        """
+        scales = self._scales_before_forward()
+        before, after = event["scale_before"], event["scale_after"]
+        if event["direction"] == "forward":
+            if before is not None:
+                for layer in event["layers"]:
+                    scales.setdefault(layer, before)
+            return
+        if before and after is not None and after < before:
+            for layer in scales:
+                scales[layer] *= after / before
 
     def _forget_calm_layers(self, events) -> None:
         """Forget the scales of layers without a forward overflow this epoch.
@@ -518,7 +529,8 @@ class MonitorSession:
 
         A forward overflow is no sign the scale is too high, yet the scaler
         halves it at each one; once the layer is denied the scale would need
-        thousands of clean steps to grow back.
+        thousands of clean steps to grow back. The backoffs for backward
+        overflows since stay (`_note_forward_scale`).
 
         Args:
             epoch: the epoch that ended.
@@ -553,9 +565,10 @@ class MonitorSession:
             }
         )
         logger.warning(
-            "AMPMonitor epoch %d: loss scale put back from %s to %s, its value "
-            "before the forward overflows of the layers just denied (the scaler "
-            "backed it off for them; they were no sign it was too high).",
+            "AMPMonitor epoch %d: loss scale put back from %s to %s: the scaler "
+            "backed it off for the forward overflows of the layers just denied, "
+            "which were no sign it was too high (its backoffs for backward "
+            "overflows stay).",
             epoch,
             current,
             target,

@@ -13,9 +13,11 @@ arithmetic (`_rounding`), and of a form the layer rejects, the sigmoid as
 `0.5 + 0.5 * tanh(z / 2)` (XLA's CPU tanh is a rational approximation, no
 exponential), whose lower tail the script measures too (relative error
 against float64 where the sigmoid is below 1e-4; the exponential's form is
-exact to a few ulps there), and the layer's recomputing form with an
+exact to a few ulps there), the layer's recomputing form with an
 exponential of plain arithmetic ops (`polynomial_exp`, as accurate as
-`tf.exp`) in place of XLA's, interleaved in an order shuffled each round
+`tf.exp`) in place of XLA's, and a form keeping the float32 slope
+`sigmoid * (1 + x * (1 - sigmoid))` for a backward pass of one multiply
+(`slope_kept`), interleaved in an order shuffled each round
 (`layers.time_interleaved`: more rounds for cheap cells), median process
 CPU time, at Swish shapes of the layer grid and below, per dtype; prints
 each form's time as a ratio to Keras's formula and writes JSON named per
@@ -161,6 +163,27 @@ def lower_tail_error(form):
     return float(np.max(np.abs(outputs.numpy() - reference) / np.abs(reference)))
 
 
+def slope_kept(x):
+    """float32 arithmetic, rounded once; the forward keeps the float32 slope.
+
+    The backward pass then reads only it and the upstream gradient: one
+    multiply, no sigmoid, no x (the same memory as keeping the sigmoid).
+    """
+
+    @tf.custom_gradient
+    def swish(x):
+        x_wide = tf.cast(x, tf.float32)
+        gate = tf.sigmoid(x_wide)
+        slope = gate * (1.0 + x_wide * (1.0 - gate))
+
+        def grad(upstream):
+            return _rounding.rounded_to(tf.cast(upstream, tf.float32) * slope, x.dtype)
+
+        return _rounding.rounded_to(x_wide * gate, x.dtype), grad
+
+    return swish(x)
+
+
 def affine(x):
     """A float32 multiply: what the input and output cost, no sigmoid."""
     return tf.cast(tf.cast(x, tf.float32) * 2.0, x.dtype)
@@ -171,6 +194,7 @@ FORMS = {
     "widened_kept": widened_kept,
     "widened_recomputed": widened_recomputed,
     "tanh_recomputed": tanh_recomputed,
+    "slope_kept": slope_kept,
     "affine": affine,
 }
 

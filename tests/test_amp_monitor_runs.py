@@ -148,17 +148,42 @@ class BatchLossSpy(keras.callbacks.Callback):
         self.losses[-1].append(float(logs["loss"]))
 
 
-def test_batch_logs_before_an_epochs_first_applied_step_are_the_steps_own(tmp_path):
-    # Every step of the first epoch overflows forward: their losses are not
-    # finite, and the batch logs say so (as Keras's do without the monitor),
-    # not the metrics' empty 0. After the denial the steps apply.
+def test_skipped_forward_overflows_do_not_stop_a_run_with_terminate_on_nan(tmp_path):
+    # Every step of the first epoch overflows forward (a NaN loss): the batch
+    # logs before any applied step must not carry it to `TerminateOnNaN`,
+    # which would stop the run before the monitor denies `hot`.
     model = overflow_model("mixed_float16")
     spy = BatchLossSpy()
-    history = train(model, [AMPMonitor(str(tmp_path)), spy], epochs=2)
+    callbacks = [AMPMonitor(str(tmp_path)), keras.callbacks.TerminateOnNaN(), spy]
+    history = train(model, callbacks, epochs=2)
     assert history.history["overflow_events"][0] == STEPS_PER_EPOCH
+    assert len(history.history["loss"]) == 2
+    assert model.get_layer("hot").compute_dtype == "float32"
     first, second = spy.losses
-    assert len(first) == STEPS_PER_EPOCH and not np.isfinite(first).any()
+    assert first == [0.0] * STEPS_PER_EPOCH  # Keras's empty metrics
     assert np.isfinite(second).all()
+
+
+def test_batch_logs_of_the_scalers_first_skipped_steps_are_their_losses(tmp_path):
+    # At a scale of 2**19 the gradients overflow float16 backward: the first
+    # steps are skipped while the scaler backs off, with real, finite losses
+    # (those of the initial weights), which their batch logs give.
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(inputs))
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**19)
+    model.compile(optimizer, "mse")
+    kernel, bias = (np.float64(w) for w in model.get_layer("head").get_weights())
+    x, y = regression_data()
+    spy = BatchLossSpy()
+    history = train(model, [AMPMonitor(str(tmp_path)), spy], epochs=1)
+    skipped = int(history.history["overflow_events"][0])
+    assert 0 < skipped < STEPS_PER_EPOCH
+    for batch, logged in enumerate(spy.losses[0][:skipped]):
+        rows = slice(batch * BATCH, (batch + 1) * BATCH)
+        error = x[rows].astype("float64") @ kernel + bias - y[rows]
+        assert logged == pytest.approx(np.mean(error**2), rel=1e-2)
 
 
 def test_an_epoch_of_skipped_steps_is_never_the_best(tmp_path):
@@ -803,9 +828,7 @@ def test_the_scale_put_back_keeps_the_backoffs_for_backward_overflows(tmp_path):
     since = [r for r in overflows if r["step"] > forward[0]["step"]]
     backward = [r for r in since if r["direction"] == "backward"]
     assert backward, "no backward overflow after the first forward one"
-    expected = forward[0]["scale_before"]
-    for record in backward:
-        expected *= record["scale_after"] / record["scale_before"]
+    # Not above any scale the scaler backed off to for a gradient's overflow.
     restored = [r for r in records if r["type"] == "scale_restored"]
-    assert [r["to"] for r in restored] == [expected]
-    assert expected < forward[0]["scale_before"]
+    assert [r["to"] for r in restored] == [min(r["scale_after"] for r in backward)]
+    assert restored[0]["to"] < forward[0]["scale_before"]

@@ -1,6 +1,7 @@
 """The monitor's parts on their own: rule, attribution, lists, state, log."""
 
 import json
+import types
 
 import keras
 import numpy as np
@@ -21,10 +22,16 @@ from keras_amp_plus.callbacks import (
     _distribution as distribution,
 )
 from keras_amp_plus.callbacks import (
+    _event_collector as event_collector,
+)
+from keras_amp_plus.callbacks import (
     _event_log as event_log,
 )
 from keras_amp_plus.callbacks import (
     _hardware_check as hardware_check,
+)
+from keras_amp_plus.callbacks import (
+    _monitor_session as monitor_session,
 )
 from keras_amp_plus.callbacks import (
     _state as state,
@@ -464,3 +471,72 @@ def test_fit_names_an_unpooled_allocator_before_the_first_step(
     ]
     assert len(allocator) == 1
     assert caplog.records.index(allocator[0]) < first_step[0]
+
+
+@pytest.mark.parametrize("suffix", ["", event_collector.LOSS_STAYED_FINITE])
+@pytest.mark.parametrize(
+    "reason, says",
+    [
+        (attribution.OUTPUT_OUTSIDE_ITS_POLICY, "Deny the layer around it"),
+        ("input_cast", "cannot reach a cast"),
+        ("output", "diverge"),
+    ],
+)
+def test_why_a_denial_fails_reads_the_verdict_behind_any_suffix(reason, says, suffix):
+    # A custom `train_step` leaves the loss unseen: the verdict then carries
+    # a suffix, and the reason given must not change with it.
+    session = types.SimpleNamespace(
+        index=types.SimpleNamespace(by_path={}), engine=KerasEngine()
+    )
+    event = {"evidence": f"replay of step 3: {reason}{suffix}"}
+    why = monitor_session.MonitorSession._why_denial_fails(session, "wrap/hot", event)
+    assert says in why
+
+
+def _overflow(direction, before, after, layers=("hot",)):
+    return {
+        "direction": direction,
+        "scale_before": before,
+        "scale_after": after,
+        "layers": list(layers),
+    }
+
+
+@pytest.mark.parametrize(
+    "events, expected",
+    [
+        # Forward overflows only: the scale before the first one.
+        ([_overflow("forward", 2.0**15, 2.0**14)] * 2, 2.0**15),
+        # A backward overflow since: not above the scale it backed off to.
+        (
+            [
+                _overflow("forward", 2.0**15, 2.0**14),
+                _overflow("backward", 2.0**14, 2.0**13, ("d1",)),
+                _overflow("forward", 2.0**13, 2.0**12),
+            ],
+            2.0**13,
+        ),
+        # With hysteresis a backward overflow may not back off: kept as is.
+        (
+            [
+                _overflow("forward", 2.0**15, 2.0**15),
+                _overflow("backward", 2.0**15, 2.0**15, ("d1",)),
+            ],
+            2.0**15,
+        ),
+        # A backward overflow before the first forward one is the scaler's own.
+        (
+            [
+                _overflow("backward", 2.0**15, 2.0**14, ("d1",)),
+                _overflow("forward", 2.0**14, 2.0**13),
+            ],
+            2.0**14,
+        ),
+    ],
+)
+def test_the_scale_to_put_back_follows_the_backward_overflows_since(events, expected):
+    scales = {}
+    session = types.SimpleNamespace(_scales_before_forward=lambda: scales)
+    for event in events:
+        monitor_session.MonitorSession._note_forward_scale(session, event)
+    assert scales == {"hot": expected}

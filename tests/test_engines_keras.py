@@ -235,3 +235,31 @@ def test_an_allowed_layer_keeps_a_mixed_policy_of_its_own():
     assert model.get_layer("head").dtype_policy.name == "mixed_bfloat16"
     engine.apply(model, PrecisionLists())
     assert model.get_layer("own").dtype_policy.name == "mixed_float16"
+
+
+def test_a_layer_shared_with_time_distributed_is_denied_in_both_uses():
+    keras.config.set_dtype_policy("mixed_float16")
+    shared = keras.layers.Dense(4, name="s")
+    inputs = keras.Input((3, 4))
+    direct = shared(inputs)
+    wrapped = keras.layers.TimeDistributed(shared, name="td")(inputs)
+    model = keras.Model(inputs, keras.layers.Add(name="add")([direct, wrapped]))
+    KerasEngine().apply(model, PrecisionLists(deny_layers=("s",)))
+    x = np.ones((1, 3, 4), "float32")
+    assert shared(x).dtype == "float32"
+    assert model.get_layer("td")(x).dtype == "float32"
+    assert model.get_layer("add").compute_dtype == "float16"
+
+
+def test_a_time_distributed_inside_a_wrapped_model_owns_its_own_layer():
+    # TimeDistributed(Sequential([TimeDistributed(Dense)])): the Sequential
+    # calls the inner wrapper through `__call__`, under its own policy.
+    keras.config.set_dtype_policy("mixed_float16")
+    inner = keras.layers.TimeDistributed(keras.layers.Dense(4, name="d"), name="inner")
+    block = keras.Sequential([keras.Input((2, 4)), inner], name="block")
+    outer = keras.layers.TimeDistributed(block, name="outer")
+    inputs = keras.Input((3, 2, 4))
+    model = keras.Model(inputs, outer(inputs))
+    KerasEngine().apply(model, PrecisionLists(deny_layers=("outer/block/inner/d",)))
+    assert inner(np.ones((1, 2, 4), "float32")).dtype == "float32"
+    assert outer.compute_dtype == "float16"

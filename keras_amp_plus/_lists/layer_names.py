@@ -74,40 +74,54 @@ def layer_chains(model) -> dict:
 
 
 def policy_owners(model) -> dict:
-    """Return `{id(layer): owner}` for the layers that compute under another's policy.
+    """Return `{id(layer): [owner, ...]}` for layers computing under another's policy.
 
     A layer a wrapper runs under the wrapper's own dtype policy (Keras 3's
     `TimeDistributed`, `_compat.computes_under_parent_policy`) computes in
     the policy of that wrapper, or of the wrapper's owner in turn: setting
-    the wrapped layer's policy alone changes nothing. Layers computing under
-    their own policy are absent.
+    the wrapped layer's policy alone changes nothing there. Layers computing
+    only under their own policy are absent.
 
     Args:
         model: a Keras model (or layer).
 
     Returns:
-        The owner of each such layer nested in `model`: the outermost layer
-        whose policy it computes under.
+        The layers whose policies each such layer computes in: for each
+        wrapper running it, the outermost layer whose policy applies; the
+        layer itself too where it is also called on its own (shared).
 
     Example:
     >>> import keras
     >>> wrapper = keras.layers.TimeDistributed(keras.layers.Dense(2), name="td")
     >>> model = keras.Sequential([keras.Input((3, 4)), wrapper])
-    >>> [owner.name for owner in policy_owners(model).values()]
-    ['td']
+    >>> [[owner.name for owner in owners] for owners in policy_owners(model).values()]
+    [['td']]
     """
-    owners, seen = {}, set()
+    owners, walked, on_its_own = {}, set(), {}
 
-    def walk(parent):
+    def walk(parent, parent_owner):
+        # `parent_owner`: whose policy `parent` computes under (None: its own).
         for layer in _compat.direct_sublayers(parent):
-            if id(layer) in seen or isinstance(layer, keras.layers.InputLayer):
+            if isinstance(layer, keras.layers.InputLayer):
                 continue
-            seen.add(id(layer))
+            owner = None  # a layer called through `__call__` computes its own
             if _compat.computes_under_parent_policy(layer, parent):
-                owners[id(layer)] = owners.get(id(parent), parent)
-            walk(layer)
+                owner = parent_owner or parent
+                known = owners.setdefault(id(layer), [])
+                if all(owner is not other for other in known):
+                    known.append(owner)
+            else:
+                on_its_own[id(layer)] = layer
+            # Walked again only under a new owner: its sublayers share it.
+            key = (id(layer), id(owner))
+            if key not in walked:
+                walked.add(key)
+                walk(layer, owner)
 
-    walk(model)
+    walk(model, None)
+    for key, known in owners.items():
+        if key in on_its_own:
+            known.append(on_its_own[key])
     return owners
 
 

@@ -145,8 +145,11 @@ class AMPMonitor(keras.callbacks.Callback):
             listed, reads each metric's worst value (`inf` for the loss,
             `-inf` for accuracy, NaN where Keras knows no direction), which
             any later measured epoch beats (Keras would report 0, a best
-            loss); a batch's logs before the epoch's first applied step are
-            that step's own, as Keras logs them. Defaults to `True`.
+            loss). Before the epoch's first applied step a batch's logs are
+            the step's own where finite (a step skipped for a backward
+            overflow has a real loss), else Keras's empty 0: a non-finite
+            batch loss would make `TerminateOnNaN` stop the run at a skipped
+            step, before the monitor can deny the layer. Defaults to `True`.
 
     Example:
     >>> import keras, numpy as np

@@ -30,6 +30,10 @@ from keras_amp_plus.optimizers import LossScaleOptimizer
 logger = logging.getLogger("keras_amp_plus")
 
 
+# Appended to a forward verdict whose step's loss was finite (or not seen).
+LOSS_STAYED_FINITE = " (the loss stayed finite)"
+
+
 class EventCollector:
     """Read new events every N steps and attribute them to layers.
 
@@ -227,7 +231,7 @@ class EventCollector:
             event["layers"] = [culprit["layer"]] if culprit["layer"] else []
             event["evidence"] = evidence
             if not loss_nonfinite:
-                event["evidence"] += " (the loss stayed finite)"
+                event["evidence"] += LOSS_STAYED_FINITE
         else:
             origin = self.index.backward_origin(implicated)
             event["direction"] = "backward"

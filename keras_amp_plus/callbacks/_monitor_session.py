@@ -19,7 +19,10 @@ from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks import _state as state_module
 from keras_amp_plus.callbacks._adaptation import Decision
 from keras_amp_plus.callbacks._attribution import OUTPUT_OUTSIDE_ITS_POLICY, LayerIndex
-from keras_amp_plus.callbacks._event_collector import EventCollector
+from keras_amp_plus.callbacks._event_collector import (
+    LOSS_STAYED_FINITE,
+    EventCollector,
+)
 from keras_amp_plus.callbacks._event_log import (
     EventLog,
     changes_markdown,
@@ -156,7 +159,6 @@ class MonitorSession:
             # The scaler's variables are read by the wrapped step from its
             # first trace on; `BackupAndRestore` builds it the same way.
             optimizer.build(model.trainable_variables)
-        self._say_epoch_reads(True)
         self.index = LayerIndex(model)
         cache = step_cache
         if cache is not None and cache.fits(model, capacity, monitor):
@@ -199,6 +201,7 @@ class MonitorSession:
         self._before_returns = None
         self._written_scalars = None
         self.snapshots = {}
+        self._say_epoch_reads(True)
 
     def _say_epoch_reads(self, reading: bool) -> None:
         """Tell our scaler whether the monitor reads it every epoch (this `fit`)."""
@@ -493,9 +496,10 @@ class MonitorSession:
     def _note_forward_scale(self, event) -> None:
         """Remember the scale to put back if a layer overflowing forward is denied.
 
-        The scale before its first forward overflow, backed off as the
-        scaler did for each backward overflow since: those are signs the
-        scale was too high, which a denial does not undo.
+        The scale before its first forward overflow, at most the scale the
+        scaler went to after each backward overflow since: a gradient that
+        overflowed at a scale says that scale is too high, which a denial
+        does not undo.
         """
         scales = self._scales_before_forward()
         before, after = event["scale_before"], event["scale_after"]
@@ -504,9 +508,9 @@ class MonitorSession:
                 for layer in event["layers"]:
                     scales.setdefault(layer, before)
             return
-        if before and after is not None and after < before:
+        if after is not None:
             for layer in scales:
-                scales[layer] *= after / before
+                scales[layer] = min(scales[layer], after)
 
     def _forget_calm_layers(self, events) -> None:
         """Forget the scales of layers without a forward overflow this epoch.
@@ -529,8 +533,8 @@ class MonitorSession:
 
         A forward overflow is no sign the scale is too high, yet the scaler
         halves it at each one; once the layer is denied the scale would need
-        thousands of clean steps to grow back. The backoffs for backward
-        overflows since stay (`_note_forward_scale`).
+        thousands of clean steps to grow back. The scales the scaler went to
+        for backward overflows since stay (`_note_forward_scale`).
 
         Args:
             epoch: the epoch that ended.
@@ -567,8 +571,8 @@ class MonitorSession:
         logger.warning(
             "AMPMonitor epoch %d: loss scale put back from %s to %s: the scaler "
             "backed it off for the forward overflows of the layers just denied, "
-            "which were no sign it was too high (its backoffs for backward "
-            "overflows stay).",
+            "which were no sign it was too high (not above its scale after a "
+            "backward overflow since).",
             epoch,
             current,
             target,
@@ -680,9 +684,10 @@ class MonitorSession:
         layer = self.index.by_path.get(layer_path)
         if layer is not None and checks.policy_out_of_reach(layer, self.engine):
             return POLICY_OUT_OF_REACH
-        if event["evidence"].endswith("input_cast"):
+        verdict = event["evidence"].removesuffix(LOSS_STAYED_FINITE)
+        if verdict.endswith("input_cast"):
             return CAST_OUTSIDE_THE_LAYER
-        if event["evidence"].endswith(OUTPUT_OUTSIDE_ITS_POLICY):
+        if verdict.endswith(OUTPUT_OUTSIDE_ITS_POLICY):
             return POLICY_NOT_APPLIED
         return OVERFLOW_IN_FLOAT32
 

@@ -172,6 +172,13 @@ def _as_numeric_tensor(value):
     return tensor if tensor.dtype.is_floating or tensor.dtype.is_integer else None
 
 
+def _all_finite(tensor):
+    """Return a boolean tensor: whether a numeric tensor holds no Inf or NaN."""
+    if not tensor.dtype.is_floating:
+        return tf.constant(True)
+    return tf.reduce_all(tf.math.is_finite(tensor))
+
+
 def _changed(saved):
     """Return whether any `(variable, value before the step)` pair differs."""
     changed = tf.constant(False)
@@ -425,11 +432,10 @@ class StepRecorder:
                 leaves, scale_before, losses, saved_metrics
             )
             if saved_metrics is not None:
-                # Logs the step took from the metrics, put back: theirs again,
-                # once they hold a step (before, they would read Keras's
-                # empty 0: the step keeps its own, as Keras logs it).
-                replace = left_out & updated & self._metrics_hold_a_step()
-                outputs = self._metrics_result(outputs, replace)
+                # Logs the step took from the metrics, put back: theirs again.
+                outputs = self._metrics_result(
+                    outputs, left_out & updated, self._metrics_hold_a_step()
+                )
             return outputs, keep, step
 
         def train_step(data):
@@ -533,12 +539,19 @@ class StepRecorder:
             [tf.reduce_any(tf.not_equal(v, tf.zeros_like(v))) for v in variables]
         )
 
-    def _metrics_result(self, outputs, replace):
+    def _metrics_result(self, outputs, replace, metrics_hold_a_step):
         """Return the step's logs, from the metrics where `replace` is True.
 
         `replace`: the step updated the metrics (its logs are theirs, as
         Keras's own `train_step` returns) and was left out of them. A custom
-        `train_step` logging values of its own keeps them.
+        `train_step` logging values of its own keeps them. Before the
+        epoch's first applied step (`metrics_hold_a_step` False) the metrics
+        hold no value: a step keeps its own finite values (a step skipped
+        for a backward overflow, as the scaler's first steps are, has a
+        real loss), and a non-finite one reads the metrics' empty 0, since
+        `TerminateOnNaN` would stop the run at that skipped step, before
+        the monitor can deny the layer (the epoch's logs then read the worst
+        values, `_wrap_get_metrics_result`).
         """
         results = self.model.get_metrics_result()
         if not (isinstance(outputs, dict) and set(outputs) == set(results)):
@@ -552,7 +565,8 @@ class StepRecorder:
             # Shaped like the step's own logs (`prepare_multi_worker_fit`
             # gives them a leading axis).
             value = tf.cast(tf.reshape(value, tf.shape(own)), own.dtype)
-            replaced[name] = tf.where(replace, value, own)
+            keeps_own = tf.logical_not(metrics_hold_a_step) & _all_finite(own)
+            replaced[name] = tf.where(replace & tf.logical_not(keeps_own), value, own)
         return replaced
 
     def _record_step(self, leaves, scale_before, losses, saved_metrics):

@@ -24,12 +24,13 @@ from keras_amp_plus._lists.precision_lists import (
 from keras_amp_plus.engines._base import Engine, rebuild_functions, remember_engine
 
 DEFAULT_MIXED_POLICY = "mixed_bfloat16"
+_LOW_PRECISION = ("bfloat16", "float16")
 
 
 def is_mixed(policy) -> bool:
     """Return True for a policy computing in 16 bits on float32 variables."""
     policy = _compat.dtype_policy(policy)
-    return policy.compute_dtype in ("bfloat16", "float16") and (
+    return policy.compute_dtype in _LOW_PRECISION and (
         policy.variable_dtype == "float32"
     )
 
@@ -153,10 +154,22 @@ def _decided_owners(model, decisions) -> dict:
     nothing of its own but reshapes).
     """
     decided = dict(decisions)
-    for key, owner in layer_names.policy_owners(model).items():
+    for key, owners in layer_names.policy_owners(model).items():
         if key in decisions:
-            decided[id(owner)] = (owner, decisions[key][1])
+            for owner in owners:
+                decided[id(owner)] = (owner, decisions[key][1])
     return decided
+
+
+def _computing_policy(layer, owners):
+    """Return the policy `layer` computes in: a 16-bit one if any use has one.
+
+    `owners`: the layers whose policies it computes under
+    (`layer_names.policy_owners`; none: its own).
+    """
+    policies = [owner.dtype_policy for owner in owners or (layer,)]
+    low = [policy for policy in policies if policy.compute_dtype in _LOW_PRECISION]
+    return (low or policies)[0]
 
 
 def layer_precisions(model: keras.Model) -> list:
@@ -178,8 +191,7 @@ def layer_precisions(model: keras.Model) -> list:
     for layer in layer_names.candidate_layers(model):
         if isinstance(layer, keras.Model):
             continue
-        # What it computes in: a wrapped layer's own policy may be ignored.
-        policy = owners.get(id(layer), layer).dtype_policy
+        policy = _computing_policy(layer, owners.get(id(layer), ()))
         rows.append(
             {
                 "name": layer.name,
@@ -189,7 +201,7 @@ def layer_precisions(model: keras.Model) -> list:
                 "policy": policy.name,
                 "compute_dtype": policy.compute_dtype,
                 "variable_dtype": policy.variable_dtype,
-                "low_precision": policy.compute_dtype in ("bfloat16", "float16"),
+                "low_precision": policy.compute_dtype in _LOW_PRECISION,
             }
         )
     return rows

@@ -77,9 +77,10 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
             step and what to try; `"warn"` warns once and goes on; `"ignore"`.
             Under `jit_compile=True` (XLA cannot call back to Python) the
             action runs at the next `overflow_summary()`, `read_events()` or
-            `check_min_scale()` call, raising `RuntimeError` for `"raise"`
-            (`AMPMonitor` makes one every epoch; without it a warning says
-            the action waits). Defaults to `"warn"`.
+            `check_min_scale()` call, raising `RuntimeError` for `"raise"`;
+            a warning says so when the step is traced, except for `"warn"`
+            while `AMPMonitor` runs (it makes that call every epoch).
+            Defaults to `"warn"`.
         event_buffer_size: int from 1 to 65536, capacity of the event ring buffer.
             Defaults to `64`.
         name: optional name. Defaults to `None`.

@@ -12,7 +12,9 @@ and rounded once (`widened_silu`), the layer's own forms keeping the sigmoid
 the output) and recomputing it (`recomputed`; with `swish_xla.py`'s
 exponential of plain arithmetic ops, `recomputed_polynomial_exp`), and the
 `Swish` layer as it chooses (`layer`). The layers before: none, the package's
-InstanceNormalization, a 3x3 Conv2D; CNN activation shapes from 1M to 16M
+InstanceNormalization, a 3x3 Conv2D, Keras's BatchNormalization (batch
+statistics), a Dense layer with and without bias (features last); CNN
+activation shapes from 1M to 16M
 elements; per policy. Interleaved (`layers.time_interleaved`), median process
 CPU time; prints each form's time as a ratio to Keras's formula and writes
 JSON named per CPU kind.
@@ -37,7 +39,7 @@ from keras_amp_plus import layers
 from keras_amp_plus.layers import _swish_activation
 
 SHAPES = ((16, 32, 32, 64), (16, 64, 64, 32), (32, 128, 128, 32))
-BEFORE = ("none", "instance_norm", "conv")
+BEFORE = ("none", "instance_norm", "conv", "batch_norm", "dense", "dense_no_bias")
 POLICIES = {
     "bfloat16": "mixed_bfloat16",
     "float16": "mixed_float16",
@@ -82,6 +84,12 @@ def layer_before(name, policy, channels):
         return layers.InstanceNormalization(dtype=policy)
     if name == "conv":
         return keras.layers.Conv2D(channels, 3, padding="same", dtype=policy)
+    if name == "batch_norm":
+        return keras.layers.BatchNormalization(dtype=policy)
+    if name == "dense":
+        return keras.layers.Dense(channels, dtype=policy)
+    if name == "dense_no_bias":
+        return keras.layers.Dense(channels, use_bias=False, dtype=policy)
     return None
 
 
@@ -97,7 +105,8 @@ def xla_step(before, name, policy, shape):
     def forward_and_backward(x, upstream):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            inputs = tf.cast(x, compute) if first is None else first(x)
+            # Batch statistics, as in training (the other layers ignore it).
+            inputs = tf.cast(x, compute) if first is None else first(x, training=True)
             outputs = swish(inputs)
         sources = [x] + ([] if first is None else first.trainable_weights)
         gradients = tape.gradient(

@@ -393,12 +393,16 @@ def test_custom_train_step_logs_of_another_shape_are_left_alone(tmp_path):
     np.testing.assert_allclose(np.asarray(logged[0]), expected, rtol=1e-5)
 
 
-def test_custom_train_step_forward_overflow_is_still_replayed(tmp_path):
+@pytest.mark.parametrize(
+    "scaler", [LossScaleOptimizer, keras.optimizers.LossScaleOptimizer]
+)
+def test_custom_train_step_forward_overflow_is_still_replayed(tmp_path, scaler):
     # The loss is not seen by the monitor; all gradients non-finite on every
-    # event makes it replay the batch, which names `hot`.
+    # event (ours records them; Keras's scaler records none, so any skipped
+    # step may be one) makes it replay the batch, which names `hot`.
     reference = overflow_model("mixed_float16")
     model = CustomStepModel(reference.inputs, reference.outputs)
-    model.compile(LossScaleOptimizer(keras.optimizers.Adam(0.1)))
+    model.compile(scaler(keras.optimizers.Adam(0.1)))
     monitor = AMPMonitor(str(tmp_path), read_every_steps=4)
     history = train(model, [monitor], epochs=2)
     # Epoch 1 may hold the scaler's search from the scale put back (untrusted).
@@ -409,4 +413,14 @@ def test_custom_train_step_forward_overflow_is_still_replayed(tmp_path):
     assert {(tuple(e["layers"]), e["direction"]) for e in events} == {
         (("hot",), "forward")
     }
+    # Unseen, the loss is not said to have stayed finite.
+    assert not any("loss stayed finite" in e["evidence"] for e in events)
+    # From the first step on, at the scaler's initial scale too.
+    first_epoch = [
+        r
+        for r in read_jsonl(str(tmp_path))
+        if r["type"] == "overflow" and r["epoch"] == 0
+    ]
+    assert all(e["layers"] == ["hot"] for e in first_epoch)
+    assert first_epoch[0]["scale_before"] == 2.0**15
     assert monitor.lists.deny_layers == ("hot",)

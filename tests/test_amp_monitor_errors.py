@@ -67,6 +67,22 @@ def test_model_without_optimizer(tmp_path):
         monitor.on_train_begin()
 
 
+@pytest.mark.parametrize(
+    "inner", [LossScaleOptimizer, keras.optimizers.LossScaleOptimizer]
+)
+def test_a_loss_scaler_inside_keras_scaler_fails_before_the_first_step(tmp_path, inner):
+    # Keras's scaler accepts one as its inner optimizer: both would unscale.
+    model = overflow_model("mixed_float16", scaler=None)
+    nested = keras.optimizers.LossScaleOptimizer(inner(keras.optimizers.SGD()))
+    model.compile(nested, "mse")
+    kernel = model.get_layer("d1").kernel.numpy()
+    with pytest.raises(ValueError, match="wrapping another one") as info:
+        fit_one_epoch(model, AMPMonitor(str(tmp_path)))
+    assert "Received: optimizer=LossScaleOptimizer wrapping " in str(info.value)
+    assert "wrapping SGD" in str(info.value)
+    np.testing.assert_array_equal(model.get_layer("d1").kernel.numpy(), kernel)
+
+
 class _Subclassed(keras.Model):
     def __init__(self):
         super().__init__(name="subclassed")

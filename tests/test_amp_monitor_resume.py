@@ -318,3 +318,88 @@ def test_a_run_killed_in_its_first_epoch_is_not_numbered_again(tmp_path):
     records = read_jsonl(str(log_dir))
     assert records[0] == killed
     assert {r["run"] for r in records[1:]} == {2}
+
+
+class _RaiseOutsideTheStep(keras.callbacks.Callback):
+    """A callback raising `KeyboardInterrupt` (Ctrl-C between two steps)."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.epoch, self.batch = epoch, batch
+        self.current = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.current == self.epoch and batch == self.batch:
+            raise KeyboardInterrupt
+
+
+def test_a_fit_stopped_by_a_callback_ends_at_the_next_fit_of_its_model(
+    tmp_path, caplog
+):
+    # Keras runs no `on_train_end`: the monitor ends that `fit` when the model
+    # is trained again, as a step's exception would have ended it.
+    log_dir = str(tmp_path)
+    model = overflow_model("mixed_float16", on_min_scale="ignore")
+    monitor = AMPMonitor(log_dir, adapt=False)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, [monitor, _RaiseOutsideTheStep(epoch=1, batch=3)], epochs=2)
+    assert "train_step" in model.__dict__  # nothing ran since
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        train(model, [], epochs=1)
+    assert any("stopped on an exception raised outside" in m for m in caplog.messages)
+    assert not {"train_step", "compute_loss", "make_train_function"} & set(
+        model.__dict__
+    )
+    # The events of the steps since the last read (every 64 steps) are written.
+    events = [r for r in read_jsonl(log_dir) if r["type"] == "overflow"]
+    assert [r["step"] for r in events] == list(range(1, STEPS_PER_EPOCH + 5))
+    # The monitor's next `fit` replaces the stopped epoch's lines, as after a
+    # step's exception.
+    train(model, [monitor], epochs=1)
+    events = [r for r in read_jsonl(log_dir) if r["type"] == "overflow"]
+    assert [r["step"] for r in events] == list(range(1, 2 * STEPS_PER_EPOCH + 1))
+    assert [r["epoch"] for r in events] == [0] * STEPS_PER_EPOCH + [1] * STEPS_PER_EPOCH
+
+
+@pytest.mark.onednn
+def test_a_rewrite_left_on_by_a_stopped_fit_is_off_after_another_models_fit():
+    from keras_amp_plus.engines._grappler import GRAPPLER_OPTION
+
+    def options():
+        return tf.config.optimizer.get_experimental_options().get(GRAPPLER_OPTION)
+
+    before = options()
+    first = overflow_model("float32", scaler=None)
+    with pytest.raises(KeyboardInterrupt):
+        train(
+            first,
+            [AMPMonitor(None, engine="grappler"), _RaiseOutsideTheStep(0, 1)],
+            epochs=1,
+        )
+    assert options() is True
+    second = overflow_model("float32", scaler=None)
+    train(second, [AMPMonitor(None, engine="grappler")], epochs=1)
+    assert options() == before
+    assert "train_step" not in first.__dict__
+
+
+def test_a_fit_run_from_a_callback_leaves_the_running_fit_alone(tmp_path, caplog):
+    # Another model trained with its own monitor at each epoch's end: the
+    # outer `fit` is still running and keeps its monitor.
+    inner = overflow_model("float32", scaler=None)
+
+    class TrainAnother(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            train(inner, [AMPMonitor(None)], epochs=1)
+
+    outer = overflow_model("mixed_float16", on_min_scale="ignore")
+    monitor = AMPMonitor(str(tmp_path), adapt=False)
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        train(outer, [monitor, TrainAnother()], epochs=2)
+    assert not any("stopped on an exception" in m for m in caplog.messages)
+    assert monitor.state.epoch == 1
+    events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
+    assert len(events) == 2 * STEPS_PER_EPOCH

@@ -783,6 +783,44 @@ def test_a_run_continued_by_another_fit_writes_each_point_once(tmp_path):
     assert sorted(scalar_series(accumulator, "amp/overflow_events")) == [0, 1, 2]
 
 
+def test_a_new_monitor_in_the_log_dir_writes_each_scale_point_once(tmp_path):
+    # The second run starts where the first stopped, at the scale it left:
+    # that point is on the chart already, and its first step overflows (the
+    # scale before it is drawn at the step before, the first run's last).
+    model = overflow_model("mixed_float16", hot_scale=10.0)
+    x, y = regression_data()
+    x[:BATCH] *= 1e4
+    for _ in range(2):
+        monitor = AMPMonitor(str(tmp_path), adapt=False)
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    points = [
+        (event.step, float(tf.make_ndarray(event.tensor_proto)))
+        for event in read_tensorboard(str(tmp_path)).Tensors("amp/loss_scale")
+    ]
+    assert {r["run"] for r in read_jsonl(str(tmp_path))} == {1, 2}
+    assert len(points) > 2
+    assert len(set(points)) == len(points), points
+
+
+def test_messages_of_a_later_fit_number_epochs_as_its_records(tmp_path, caplog):
+    # The same monitor's second fit is the run's epoch 1 in the records, in
+    # TensorBoard and in the warnings alike.
+    model = overflow_model("mixed_float16", hot_scale=10.0)
+    x, y = sporadic_data()
+    monitor = AMPMonitor(str(tmp_path), deny_threshold=100)
+    fit = {"batch_size": BATCH, "shuffle": False, "verbose": 0, "callbacks": [monitor]}
+    model.fit(x, y, **fit)
+    monitor.rule.deny_threshold = 1
+    with caplog.at_level(logging.WARNING, logger="keras_amp_plus"):
+        model.fit(x, y, **fit)
+    (change,) = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "list_change"]
+    assert change["epoch"] == 1
+    moved = [m for m in caplog.messages if "moved from" in m]
+    assert moved and all(m.startswith("AMPMonitor epoch 1:") for m in moved), moved
+    put_back = [m for m in caplog.messages if "loss scale put back" in m]
+    assert put_back and all(m.startswith("AMPMonitor epoch 1:") for m in put_back)
+
+
 class _AmplifyingHot(keras.layers.Layer):
     """`x @ 20 * 1e-3`: overflows float16 forward, and `d1`'s gradients too.
 

@@ -237,6 +237,27 @@ def test_an_allowed_layer_keeps_a_mixed_policy_of_its_own():
     assert model.get_layer("own").dtype_policy.name == "mixed_float16"
 
 
+@pytest.mark.parametrize("pure", ["float16", "bfloat16"])
+def test_a_model_of_a_pure_16_bit_policy_gets_its_own_precision_back(pure):
+    # "float16" everywhere (16-bit variables): denied and allowed back, a
+    # layer computes in float16 again, never in a bfloat16 nobody asked for;
+    # a float32 layer allowed computes in the model's 16 bits.
+    keras.config.set_dtype_policy(pure)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(4, name="hot")(inputs)
+    hidden = keras.layers.Dense(4, name="f32", dtype="float32")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(hidden))
+    engine = KerasEngine()
+    engine.apply(model, PrecisionLists(deny_layers=("hot",)))
+    assert model.get_layer("hot").compute_dtype == "float32"
+    engine.apply(model, PrecisionLists(allow_layers=("hot", "f32")))
+    assert model.get_layer("hot").dtype_policy.name == pure
+    assert model.get_layer("f32").dtype_policy.name == f"mixed_{pure}"
+    x = np.ones((2, 4), "float32")
+    assert keras.ops.convert_to_numpy(model(x)).dtype == np.dtype(pure)
+    assert resolve_engine("auto", model).name == "keras"
+
+
 def test_a_layer_shared_with_time_distributed_is_denied_in_both_uses():
     keras.config.set_dtype_policy("mixed_float16")
     shared = keras.layers.Dense(4, name="s")

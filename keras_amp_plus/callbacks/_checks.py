@@ -111,6 +111,7 @@ def check_model(model) -> None:
             "loss scale and overflow records from it. Call `model.compile("
             "optimizer=..., loss=...)` first. Received: optimizer=None"
         )
+    check_scaled_once(model.optimizer)
     if not model.built:
         # A subclassed model (or a Sequential without an `Input`) creates its
         # variables in the first step; the monitor builds the optimizer's
@@ -123,6 +124,28 @@ def check_model(model) -> None:
             "before `fit()` by calling it on a batch of data (`model(x[:1])`) or with "
             f"`model.build(input_shape)`. Received: model={model.name!r} with "
             "built=False"
+        )
+
+
+def check_scaled_once(optimizer) -> None:
+    """Raise when a loss scale optimizer wraps another one.
+
+    Keras's `LossScaleOptimizer` accepts one as its inner optimizer (ours
+    refuses it): the outer one scales the loss, both unscale the gradients,
+    and every update comes out the inner scale times too small, silently.
+    """
+    inner = getattr(optimizer, "inner_optimizer", None)
+    scaler = _compat.KerasLossScaleOptimizer
+    if isinstance(optimizer, scaler) and isinstance(inner, scaler):
+        raise ValueError(
+            "AMPMonitor found a loss scale optimizer wrapping another one: the "
+            "outer one scales the loss, both unscale the gradients, so every "
+            "update would be the inner loss scale times too small. Wrap the "
+            "plain optimizer once, e.g. `keras_amp_plus.optimizers."
+            "LossScaleOptimizer(keras.optimizers.Adam())`. Received: "
+            f"optimizer={type(optimizer).__name__} wrapping "
+            f"{type(inner).__name__} wrapping "
+            f"{type(inner.inner_optimizer).__name__}"
         )
 
 

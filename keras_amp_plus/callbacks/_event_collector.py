@@ -183,14 +183,16 @@ class EventCollector:
     def _unwatched_forward(self, record):
         """Return True for a possible forward overflow the loss did not show.
 
-        Only when the loss was not watched (a custom `train_step`) and every
-        gradient was non-finite; the replay then confirms it or finds nothing.
+        Only when the loss was not watched (a custom `train_step` computing
+        its own) and every gradient was non-finite, or may have been (Keras's
+        scaler records none of them); the replay then confirms it or finds
+        nothing.
         """
         optimizer = self.model.optimizer
-        if record.loss_finite is not None or not isinstance(
-            optimizer, LossScaleOptimizer
-        ):
+        if record.loss_finite is not None:
             return False
+        if not isinstance(optimizer, LossScaleOptimizer):
+            return True
         tracked = optimizer.tracked_variable_paths()
         return bool(tracked) and set(record.variables) == set(tracked)
 
@@ -230,7 +232,7 @@ class EventCollector:
             event["direction"] = "forward"
             event["layers"] = [culprit["layer"]] if culprit["layer"] else []
             event["evidence"] = evidence
-            if not loss_nonfinite:
+            if record.loss_finite:  # not where the step's loss went unseen
                 event["evidence"] += LOSS_STAYED_FINITE
         else:
             origin = self.index.backward_origin(implicated)

@@ -7,6 +7,7 @@ state, lists and rule) it changes only through the `MonitorMemory` it is given.
 """
 
 import copy
+import functools
 import json
 import logging
 import zlib
@@ -17,6 +18,7 @@ from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.callbacks import _checks as checks
 from keras_amp_plus.callbacks import _distribution as distribution
 from keras_amp_plus.callbacks import _state as state_module
+from keras_amp_plus.callbacks import _unfinished_fits as unfinished_fits
 from keras_amp_plus.callbacks._adaptation import Decision
 from keras_amp_plus.callbacks._attribution import OUTPUT_OUTSIDE_ITS_POLICY, LayerIndex
 from keras_amp_plus.callbacks._event_collector import (
@@ -143,6 +145,9 @@ class MonitorSession:
     """
 
     def __init__(self, monitor, model, memory, step_cache=None):
+        # Before anything is checked or installed: a graph engine's switches
+        # and this model's wrappers must be those of no earlier `fit`.
+        unfinished_fits.end_those_left_behind(model)
         self.monitor = monitor
         self.model = model
         self.memory = memory
@@ -179,6 +184,9 @@ class MonitorSession:
             # through the wrappers.
             model.make_train_function(force=True)
         self.recorder.on_abort = self.abort
+        self.recorder.on_unfinished_fit = functools.partial(
+            unfinished_fits.end_late, self
+        )
         self.collector = EventCollector(
             model, self.recorder, self.index, memory.rule, monitor.replay
         )
@@ -202,6 +210,7 @@ class MonitorSession:
         self._written_scalars = None
         self.snapshots = {}
         self._say_epoch_reads(True)
+        unfinished_fits.begin(self)
 
     def _say_epoch_reads(self, reading: bool) -> None:
         """Tell our scaler whether the monitor reads it every epoch (this `fit`)."""
@@ -296,8 +305,10 @@ class MonitorSession:
         state.step_offset = previous.step_offset + previous.total_steps
         state.epoch_offset = previous.epoch_offset + previous.epoch + 1 - epoch
         state.run_epoch_offset = state.epoch_offset
-        # One cumulative series on one TensorBoard step axis.
+        # One cumulative series on one TensorBoard step axis; the scale's
+        # series goes on from its last point, not from that point again.
         state.skipped_steps = previous.skipped_steps
+        state.last_scale_point = previous.last_scale_point
         if self._model_keeps_lists_of(previous):
             state.lists = previous.lists
             state.adaptation = previous.adaptation
@@ -573,7 +584,7 @@ class MonitorSession:
             "backed it off for the forward overflows of the layers just denied, "
             "which were no sign it was too high (not above its scale after a "
             "backward overflow since).",
-            epoch,
+            self.record_epoch(epoch),
             current,
             target,
         )
@@ -620,7 +631,7 @@ class MonitorSession:
                 "AMPMonitor epoch %d: the loss scaler is still searching for its "
                 "scale: %d backward overflow(s) at scales above "
                 "trusted_backward_scale=%s (no evidence against any layer).",
-                epoch,
+                self.record_epoch(epoch),
                 len(searching),
                 self.monitor.trusted_backward_scale,
             )
@@ -635,7 +646,7 @@ class MonitorSession:
                 "event(s) attributed (%d forward: its output exceeded the "
                 "16-bit range, keep it in float32; %d backward: its gradients "
                 "did, a lower learning rate or gradient clipping may help).",
-                epoch,
+                self.record_epoch(epoch),
                 layer,
                 count,
                 forward,
@@ -648,7 +659,7 @@ class MonitorSession:
             and self.recorder.kind == SCALER_NONE
             and not state.guard_recommended
         ):
-            logger.warning(GUARD_ADVICE, len(forward), epoch)
+            logger.warning(GUARD_ADVICE, len(forward), self.record_epoch(epoch))
             state.guard_recommended = True
 
     def _warn_denial_without_effect(self, epoch, forward_events) -> None:
@@ -672,7 +683,7 @@ class MonitorSession:
                 )
                 logger.warning(
                     DENIAL_WITHOUT_EFFECT,
-                    epoch,
+                    self.record_epoch(epoch),
                     layer,
                     event["evidence"],
                     ", so every such step is skipped" if self.has_scaler() else "",
@@ -744,7 +755,7 @@ class MonitorSession:
             logger.info(
                 "AMPMonitor epoch %d: layer %r earned low precision back (%s); "
                 "it moves back at the next epoch's first step.",
-                epoch,
+                self.record_epoch(epoch),
                 decision.layer,
                 decision.reason,
             )
@@ -867,7 +878,7 @@ class MonitorSession:
                 )
                 logger.warning(
                     "AMPMonitor epoch %d: %s %r moved from %s to %s (layer %s): %s.",
-                    epoch,
+                    record_epoch,
                     change["kind"],
                     change["name"],
                     change["from"] or "no list",
@@ -911,7 +922,7 @@ class MonitorSession:
             VALIDATED_BEFORE_ADAPTING % len(events) if events else NAN_WITHOUT_OVERFLOWS
         )
         metrics = ", ".join(f"val_{name}" for name in names)
-        logger.warning(NAN_VALIDATION, epoch, metrics, cause)
+        logger.warning(NAN_VALIDATION, self.record_epoch(epoch), metrics, cause)
 
     def end_epoch(self, epoch: int, logs: dict | None) -> None:
         """Report the epoch, adapt the lists, fill `logs`, save the state.
@@ -967,7 +978,11 @@ class MonitorSession:
         the model gets its own step back and a graph engine's rewrite is
         switched off, so later models of the process train as they would
         without the monitor. Nothing is kept for the next `fit` to reuse.
+        Also where Keras stopped `fit` outside a step (`_unfinished_fits`),
+        at the next sign of it; a session ends once.
         """
+        if not unfinished_fits.finish(self):
+            return
         self._report_unread()
         self.log.close()
         self._say_epoch_reads(False)
@@ -1010,7 +1025,12 @@ class MonitorSession:
         state_module.save_snapshot(self.write_dir, state, self.snapshots)
 
     def close(self) -> StepCache:
-        """Flush, close and uninstall (end of `fit`); return the step to reuse."""
+        """Flush, close and uninstall (end of `fit`); return the step to reuse.
+
+        None where the session had ended already (`abort`): nothing to reuse.
+        """
+        if not unfinished_fits.finish(self):
+            return None
         self.log.close()
         self._say_epoch_reads(False)
         wrapped = self.model.train_function

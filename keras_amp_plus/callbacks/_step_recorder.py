@@ -255,6 +255,9 @@ class StepRecorder:
         self._left_out_before_epoch = 0
         # Called when a step raises (`_stopping_cleanly`); the session's.
         self.on_abort = lambda: None
+        # Called when a new `fit` of the model finds the wrappers still
+        # installed (`_unfinished_fits`); the session's.
+        self.on_unfinished_fit = lambda: None
         self.loss_watched = True
         self.call_order = []
         self.installed = False
@@ -268,8 +271,8 @@ class StepRecorder:
         """Wrap the model's step on the instance; the caller then rebuilds it.
 
         Wraps `train_step` and `compute_loss`, `get_metrics_result` (see
-        `_wrap_get_metrics_result`) and, under `jit_compile=True`,
-        `make_train_function` (see `_wrap_make_train_function`).
+        `_wrap_get_metrics_result`) and `make_train_function` (see
+        `_wrap_make_train_function`).
         """
         model = self.model
         self._unwrap_previous(model)
@@ -458,9 +461,21 @@ class StepRecorder:
         return train_step
 
     def _wrap_make_train_function(self, original_make_train_function):
-        """Build `fit`'s step without XLA when `train_step` compiles it itself."""
+        """Build `fit`'s step without XLA when `train_step` compiles it itself.
+
+        Each built step ends the monitor's `fit` when it raises
+        (`_stopping_cleanly`); a new `fit` finding the wrapper ends the one
+        that stopped outside a step (`_unfinished_fits`).
+        """
 
         def make_train_function(force=False):
+            if not force:
+                # Only a new `fit` (or `train_on_batch`) builds it without
+                # `force`, before any callback runs: the monitored `fit` that
+                # installed this wrapper stopped without ending.
+                self.on_unfinished_fit()
+                if not self.installed:
+                    return self.model.make_train_function(force=force)
             # Decided when the step is built: the model's setting of now.
             self.compiles_model_step = self.can_compile_model_step()
             if not self.compiles_model_step:

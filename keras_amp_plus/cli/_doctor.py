@@ -15,7 +15,7 @@ import platform
 import sys
 import tempfile
 
-from keras_amp_plus import _bfloat16_outlook, _hardware
+from keras_amp_plus import _hardware
 from keras_amp_plus.cli import (
     _doctor_text as doctor_text,
 )
@@ -379,6 +379,8 @@ def gather_facts(probe_seconds: float = 2.0, probe_size: int = 1024) -> dict:
             probe_seconds, probe_size, dtypes=probe_dtypes(stack["itex"])
         ),
     }
+    from keras_amp_plus import _bfloat16_outlook  # imports TensorFlow
+
     _bfloat16_outlook.bfloat16_outlook(probe=facts["probe"])  # caches the figure
     speedups = {
         dtype: result.get("speedup_vs_float32")

@@ -1,7 +1,6 @@
 """Render the doctor's facts (`keras_amp_plus.cli._doctor.gather_facts`) as text."""
 
 from keras_amp_plus import _hardware, _itex_probe
-from keras_amp_plus.layers._swish_calibration import NEVER
 
 
 def _yes_no(value) -> str:
@@ -127,6 +126,9 @@ def _swish_sigmoid_line(swish: dict | None) -> str:
         return "keeps the sigmoid in every precision here"
     when = "measured now" if swish["measured_now"] else "cached"
     when = when if swish["cells"] else "not measured: the defaults"
+    # Imports TensorFlow: not before the doctor has checked the stack.
+    from keras_amp_plus.layers._swish_calibration import NEVER
+
     recomputed = {
         name: count for name, count in swish["thresholds"].items() if count < NEVER
     }

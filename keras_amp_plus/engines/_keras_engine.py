@@ -1,14 +1,18 @@
 """The `keras` engine: layer lists as per-layer Keras dtype policies.
 
-deny -> `"float32"`; allow -> the layer's own policy where it was mixed before
-this engine first touched it, else the mixed policy (the model's, else a
-layer's, else the global one when it is mixed, else `"mixed_bfloat16"`); a
-layer in neither list gets back the policy it had before this engine first
-touched it, so moves are reversible. The policy is part of each layer's config, so the
-choice survives `model.save` / `keras.saving.load_model`.
+deny -> `"float32"`; allow -> the layer's own policy where it computed in 16
+bits before this engine first touched it (mixed, or pure `"float16"` /
+`"bfloat16"` with 16-bit variables), else the mixed policy of the 16-bit
+compute dtype in use (the model's, else a layer's, else the global policy's,
+else `"mixed_bfloat16"`); a layer in neither list gets back the policy it had
+before this engine first touched it, so moves are reversible. The policy is
+part of each layer's config, so the choice survives `model.save` /
+`keras.saving.load_model`.
 
 Policies are swapped with the `layer.dtype_policy` setter: variables stay as
-they are (float32 / mixed_bfloat16 / mixed_float16 all keep float32 variables).
+they are (float32 / mixed_bfloat16 / mixed_float16 all keep float32 variables;
+a denied layer of a pure `"float16"` model computes in float32 from its
+float16 variables).
 """
 
 import keras
@@ -27,19 +31,16 @@ DEFAULT_MIXED_POLICY = "mixed_bfloat16"
 _LOW_PRECISION = ("bfloat16", "float16")
 
 
-def is_mixed(policy) -> bool:
-    """Return True for a policy computing in 16 bits on float32 variables."""
-    policy = _compat.dtype_policy(policy)
-    return policy.compute_dtype in _LOW_PRECISION and (
-        policy.variable_dtype == "float32"
-    )
+def computes_in_16_bits(policy) -> bool:
+    """Return True for a policy computing in bfloat16 or float16 (mixed or pure)."""
+    return _compat.dtype_policy(policy).compute_dtype in _LOW_PRECISION
 
 
-def model_uses_mixed_policy(model) -> bool:
-    """Return True when the global policy or any of the model's layers is mixed."""
+def model_has_16_bit_policy(model) -> bool:
+    """Return True when the global policy or one of the model's computes in 16 bits."""
     layers = [model, *layer_names.candidate_layers(model)]
-    return is_mixed(_compat.global_policy()) or any(
-        is_mixed(layer.dtype_policy) for layer in layers
+    return computes_in_16_bits(_compat.global_policy()) or any(
+        computes_in_16_bits(layer.dtype_policy) for layer in layers
     )
 
 
@@ -78,7 +79,9 @@ class KerasEngine(Engine):
             _compat.global_policy(),
         ]
         for policy in candidates:
-            if is_mixed(policy):
+            # A pure 16-bit policy too ("float16" everywhere): its compute
+            # dtype, on the allowed layer's float32 variables.
+            if computes_in_16_bits(policy):
                 # By dtype, not by name: a DTypePolicyMap is named after itself.
                 return _compat.dtype_policy(f"mixed_{policy.compute_dtype}")
         return _compat.dtype_policy(DEFAULT_MIXED_POLICY)
@@ -107,9 +110,10 @@ class KerasEngine(Engine):
                 _, original = self._original_policies.setdefault(
                     id(layer), (layer, layer.dtype_policy)
                 )
-                # Allowed, a layer the user gave a mixed policy of its own
-                # keeps it (mixed_float16 in a mixed_bfloat16 model).
-                allowed = original if is_mixed(original) else mixed
+                # Allowed, a layer the user gave a 16-bit policy of its own
+                # keeps it (mixed_float16 in a mixed_bfloat16 model; "float16"
+                # on the float16 variables it was built with).
+                allowed = original if computes_in_16_bits(original) else mixed
                 policy = float32 if kind == "deny" else allowed
                 changed |= self._set_policy(layer, policy)
             elif id(layer) in self._original_policies:

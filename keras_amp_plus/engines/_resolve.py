@@ -4,9 +4,10 @@
 
 - lists holding op types ask for a graph engine: `itex` when ITEX is
   importable, else `grappler`;
-- a model with a mixed dtype policy (global or any layer's) gets the layer
-  engine `keras`: its policies decide its precision, and only they can put a
-  float16 layer back into float32 (op lists cannot);
+- a model with a dtype policy computing in 16 bits (mixed or pure; global or
+  any layer's) gets the layer engine `keras`: its policies decide its
+  precision, and only they can put a float16 layer back into float32 (op
+  lists cannot);
 - a graph rewrite the user already switched on (grappler's
   `auto_mixed_precision_onednn_bfloat16` option, or ITEX's
   `ITEX_AUTO_MIXED_PRECISION=1`) keeps its engine;
@@ -24,7 +25,7 @@ from keras_amp_plus._lists.precision_lists import OP_FIELDS
 from keras_amp_plus.engines._base import Engine
 from keras_amp_plus.engines._grappler import GRAPPLER_OPTION, GrapplerEngine
 from keras_amp_plus.engines._itex import ItexEngine
-from keras_amp_plus.engines._keras_engine import KerasEngine, model_uses_mixed_policy
+from keras_amp_plus.engines._keras_engine import KerasEngine, model_has_16_bit_policy
 
 ENGINE_NAMES = ("keras", "grappler", "itex", "auto")
 # `auto_mixed_precision_mkl` is the deprecated name of the same rewrite.
@@ -88,7 +89,7 @@ def auto_engine_name(model: keras.Model, lists=None) -> str:
     """
     if lists is not None and any(getattr(lists, f) for f in OP_FIELDS):
         return "itex" if _compat.itex_module() is not None else "grappler"
-    if model_uses_mixed_policy(model):
+    if model_has_16_bit_policy(model):
         return "keras"
     return graph_rewrite_switched_on() or "keras"
 

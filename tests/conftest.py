@@ -230,6 +230,23 @@ def restore_grappler_state():
 
 
 @pytest.fixture(autouse=True)
+def end_unfinished_fits():
+    """A monitored `fit` a test stopped outside its steps ends after the test.
+
+    As the process's next `fit` would end it (`_unfinished_fits`); torn down
+    before the global state above is compared and put back.
+    """
+    yield
+    from keras_amp_plus.callbacks import _unfinished_fits
+
+    for reference, _ in list(_unfinished_fits._unfinished):
+        session = reference()
+        if session is not None:
+            session.abort()
+    _unfinished_fits._unfinished.clear()
+
+
+@pytest.fixture(autouse=True)
 def restore_itex_config():
     """ITEX's config is process-global: put it back after every test."""
     itex = _compat.itex_module()

@@ -319,7 +319,12 @@ def test_under_jit_compile_the_batch_is_stashed_outside_xla(monkeypatch):
 
 
 def test_a_fit_interrupted_under_xla_leaves_no_xla_for_a_later_plain_fit():
-    """Wrappers left by a `fit` that raised follow the model's setting of now."""
+    """A plain `fit` after a monitored one that raised runs the model's own step.
+
+    The interrupt comes from a callback, outside the step: the plain `fit`
+    ends the monitored one (`_unfinished_fits`) and traces the step without
+    XLA, as the model is now compiled.
+    """
     from keras_amp_plus import _compat
 
     traced_in_xla = []
@@ -538,3 +543,43 @@ def test_a_denied_layer_run_under_another_policy_is_said_with_its_fix(tmp_path, 
     assert len(warnings) == 1
     assert "Deny the layer around it" in warnings[0]
     assert "diverge" not in warnings[0]
+
+
+def test_a_pure_float16_conv_that_overflows_is_named_and_training_goes_on(
+    tmp_path, caplog
+):
+    # Its variables are float16: no Keras policy computes it in float32, so
+    # the monitor says so before the first step and when it keeps
+    # overflowing, and the next step runs (a Conv2D moved to float32 would
+    # fail on its float16 kernel).
+    keras.config.set_dtype_policy("float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 4, 1))
+    hot = keras.layers.Conv2D(
+        2,
+        3,
+        padding="same",
+        name="hot",
+        kernel_initializer=keras.initializers.Constant(3e4),
+    )(inputs)
+    outputs = keras.layers.Dense(1, name="head")(keras.layers.Flatten()(hot))
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        LossScaleOptimizer(keras.optimizers.SGD(), on_min_scale="ignore"), "mse"
+    )
+    x = np.ones((16, 4, 4, 1), "float32")
+    y = np.zeros((16, 1), "float32")
+    monitor = AMPMonitor(str(tmp_path), deny_threshold=1, patience=50)
+    with caplog.at_level(logging.WARNING, logger="keras_amp_plus"):
+        history = model.fit(
+            x, y, batch_size=8, epochs=2, verbose=0, callbacks=[monitor]
+        )
+    assert history.history["overflow_events"] == [2, 2]
+    assert monitor.lists.deny_layers == ("hot",)
+    assert model.get_layer("hot").compute_dtype == "float16"
+    messages = [r.message for r in caplog.records]
+    assert any(
+        "keep their variables in 16 bits" in m and "'hot'" in m for m in messages
+    )
+    (still,) = [m for m in messages if "still overflows" in m]
+    assert "Its variables are 16-bit" in still

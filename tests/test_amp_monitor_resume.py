@@ -403,3 +403,48 @@ def test_a_fit_run_from_a_callback_leaves_the_running_fit_alone(tmp_path, caplog
     assert monitor.state.epoch == 1
     events = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "overflow"]
     assert len(events) == 2 * STEPS_PER_EPOCH
+
+
+def test_train_on_batch_from_a_callback_leaves_the_running_fit_alone(tmp_path, caplog):
+    # It builds the train function as a new `fit` does, from inside this one.
+    model = overflow_model("mixed_float16", on_min_scale="ignore")
+    x, y = regression_data()
+
+    class TrainOnBatch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.train_on_batch(x[:BATCH], y[:BATCH])
+
+    monitor = AMPMonitor(str(tmp_path), adapt=False)
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        history = train(model, [monitor, TrainOnBatch()], epochs=2)
+    assert not any("stopped on an exception" in m for m in caplog.messages)
+    # The step `train_on_batch` ran after the first epoch's end is recorded
+    # in the second epoch.
+    assert history.history["overflow_events"] == [STEPS_PER_EPOCH, STEPS_PER_EPOCH + 1]
+
+
+def test_two_monitors_in_one_fit_fail_before_the_first_step(tmp_path):
+    model = overflow_model("mixed_float16")
+    kernel = model.get_layer("d1").kernel.numpy()
+    monitors = [AMPMonitor(str(tmp_path / "a")), AMPMonitor(str(tmp_path / "b"))]
+    with pytest.raises(ValueError, match="monitored by an AMPMonitor already") as info:
+        train(model, monitors, epochs=1)
+    assert "Received: model=" in str(info.value)
+    np.testing.assert_array_equal(model.get_layer("d1").kernel.numpy(), kernel)
+    # The first monitor's `fit` stopped before its first step; the model
+    # trains again, with one monitor.
+    train(model, [AMPMonitor(str(tmp_path / "c"))], epochs=1)
+    assert "train_step" not in model.__dict__
+
+
+def test_a_model_whose_fit_stopped_outside_its_steps_can_be_collected(tmp_path):
+    import gc
+    import weakref
+
+    model = overflow_model("mixed_float16", on_min_scale="ignore")
+    with pytest.raises(KeyboardInterrupt):
+        train(model, [AMPMonitor(str(tmp_path)), _RaiseOutsideTheStep(0, 1)], epochs=1)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

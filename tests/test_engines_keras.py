@@ -238,22 +238,27 @@ def test_an_allowed_layer_keeps_a_mixed_policy_of_its_own():
 
 
 @pytest.mark.parametrize("pure", ["float16", "bfloat16"])
-def test_a_model_of_a_pure_16_bit_policy_gets_its_own_precision_back(pure):
-    # "float16" everywhere (16-bit variables): denied and allowed back, a
-    # layer computes in float16 again, never in a bfloat16 nobody asked for;
-    # a float32 layer allowed computes in the model's 16 bits.
+def test_a_model_of_a_pure_16_bit_policy_keeps_its_own_precisions(pure):
+    # "float16" everywhere (16-bit variables): a layer without variables
+    # denied and allowed back computes in float16 again, never in a bfloat16
+    # nobody asked for; a float32 layer allowed computes in the model's 16
+    # bits; one with 16-bit variables is not moved (no Keras policy computes
+    # in float32 on them: Conv2D would fail).
     keras.config.set_dtype_policy(pure)
-    inputs = keras.Input((4,))
-    hidden = keras.layers.Dense(4, name="hot")(inputs)
-    hidden = keras.layers.Dense(4, name="f32", dtype="float32")(hidden)
+    inputs = keras.Input((4, 4, 2))
+    hidden = keras.layers.Conv2D(2, 3, padding="same", name="conv")(inputs)
+    hidden = keras.layers.Activation("relu", name="act")(hidden)
+    hidden = keras.layers.Dense(2, name="f32", dtype="float32")(hidden)
     model = keras.Model(inputs, keras.layers.Dense(2, name="head")(hidden))
     engine = KerasEngine()
-    engine.apply(model, PrecisionLists(deny_layers=("hot",)))
-    assert model.get_layer("hot").compute_dtype == "float32"
-    engine.apply(model, PrecisionLists(allow_layers=("hot", "f32")))
-    assert model.get_layer("hot").dtype_policy.name == pure
+    engine.apply(model, PrecisionLists(deny_layers=("conv", "act")))
+    assert model.get_layer("conv").dtype_policy.name == pure
+    assert model.get_layer("act").compute_dtype == "float32"
+    x = np.ones((2, 4, 4, 2), "float32")
+    assert np.isfinite(keras.ops.convert_to_numpy(model(x)).astype("float32")).all()
+    engine.apply(model, PrecisionLists(allow_layers=("act", "f32")))
+    assert model.get_layer("act").dtype_policy.name == pure
     assert model.get_layer("f32").dtype_policy.name == f"mixed_{pure}"
-    x = np.ones((2, 4), "float32")
     assert keras.ops.convert_to_numpy(model(x)).dtype == np.dtype(pure)
     assert resolve_engine("auto", model).name == "keras"
 

@@ -88,8 +88,12 @@ class AMPMonitor(keras.callbacks.Callback):
     worst values, as a skipped epoch's metrics do (`exclude_skipped_steps`),
     with a warning.
 
-    During `fit` only, the model's `train_step` and `compute_loss` are wrapped
-    on the instance (restored in `on_train_end`). At each epoch end the monitor
+    During `fit` only, the model's `train_step`, `compute_loss`,
+    `make_train_function` and `get_metrics_result` are wrapped on the instance
+    (restored in `on_train_end`; after a `fit` that stopped on an exception,
+    when it stops, or at the next sign that it did: the model's next `fit`,
+    or any monitored `fit` in the thread). One monitor per model at a time.
+    At each epoch end the monitor
     snapshots its state to `amp_state.json`, so a `fit` resumed by
     `keras.callbacks.BackupAndRestore` (`save_freq="epoch"`) continues with the
     same lists, counters and event file: the lines of the interrupted epoch are

@@ -31,6 +31,7 @@ from keras_amp_plus.callbacks._step_recorder import (
 )
 from keras_amp_plus.engines import resolve_engine
 from keras_amp_plus.engines._itex import require_itex
+from keras_amp_plus.engines._keras_engine import holds_16_bit_variables
 from keras_amp_plus.engines._resolve import check_engine_name
 
 DEFAULT_CAPACITY = 64
@@ -196,27 +197,42 @@ POLICIES_OUT_OF_REACH = (
 )
 
 
+VARIABLES_OUT_OF_REACH = (
+    "AMPMonitor: %d layer(s) keep their variables in 16 bits under a pure "
+    "dtype policy (%s): Keras has no policy computing such a layer in float32, "
+    "so the monitor cannot deny it (it names it and leaves it in 16 bits). "
+    "Train under 'mixed_float16' or 'mixed_bfloat16' (float32 variables) to "
+    "let the monitor move layers to float32."
+)
+
+
 def policy_out_of_reach(layer, engine) -> bool:
     """Return True when `engine` cannot move `layer` to float32.
 
     Graph engines rewrite float32 ops; a layer whose Keras dtype policy
-    computes in 16 bits does so whatever their op lists say.
+    computes in 16 bits does so whatever their op lists say. The layer
+    engine cannot move a layer with 16-bit variables (`KerasEngine.apply`).
     """
-    compute = layer.dtype_policy.compute_dtype
-    return engine.level == "op" and compute in ("float16", "bfloat16")
+    if engine.level == "op":
+        return layer.dtype_policy.compute_dtype in ("float16", "bfloat16")
+    return holds_16_bit_variables(layer)
 
 
 def warn_if_policies_are_out_of_reach(model, engine) -> None:
-    """Log a warning when a graph engine could not deny the model's layers."""
+    """Log a warning when the engine could not deny some of the model's layers."""
     layers = [
         layer
         for layer in layer_names.candidate_layers(model)
         if policy_out_of_reach(layer, engine)
     ]
-    if layers:
-        names = ", ".join(repr(layer.name) for layer in layers[:5])
-        more = f" and {len(layers) - 5} more" if len(layers) > 5 else ""
-        logger.warning(POLICIES_OUT_OF_REACH, engine.name, len(layers), names + more)
+    if not layers:
+        return
+    names = ", ".join(repr(layer.name) for layer in layers[:5])
+    names += f" and {len(layers) - 5} more" if len(layers) > 5 else ""
+    if engine.level == "op":
+        logger.warning(POLICIES_OUT_OF_REACH, engine.name, len(layers), names)
+    else:
+        logger.warning(VARIABLES_OUT_OF_REACH, len(layers), names)
 
 
 def warn_if_float16_is_unscaled(model, engine=None) -> None:

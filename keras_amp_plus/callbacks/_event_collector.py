@@ -30,7 +30,7 @@ from keras_amp_plus.optimizers import LossScaleOptimizer
 logger = logging.getLogger("keras_amp_plus")
 
 
-# Appended to a forward verdict whose step's loss was finite (or not seen).
+# Appended to a forward verdict whose step's loss was seen finite.
 LOSS_STAYED_FINITE = " (the loss stayed finite)"
 
 

@@ -69,6 +69,11 @@ POLICY_OUT_OF_REACH = (
     "Its Keras dtype policy computes it in 16 bits, which the engine's op "
     "lists cannot change. Use engine='keras' for a model with a mixed policy."
 )
+VARIABLES_IN_16_BITS = (
+    "Its variables are 16-bit (a pure dtype policy), and Keras has no policy "
+    "computing such a layer in float32, so the denial left it in 16 bits. "
+    "Train under 'mixed_float16' or 'mixed_bfloat16' (float32 variables)."
+)
 POLICY_NOT_APPLIED = (
     "It computes in 16 bits whatever its own policy says: the layer around it "
     "runs it by its `call` method, under that layer's policy. Deny the layer "
@@ -148,6 +153,7 @@ class MonitorSession:
         # Before anything is checked or installed: a graph engine's switches
         # and this model's wrappers must be those of no earlier `fit`.
         unfinished_fits.end_those_left_behind(model)
+        self.fit_frame = None  # the frame of the `fit` it runs in (`begin`)
         self.monitor = monitor
         self.model = model
         self.memory = memory
@@ -694,7 +700,9 @@ class MonitorSession:
         """Return why a denied layer's forward pass still overflows."""
         layer = self.index.by_path.get(layer_path)
         if layer is not None and checks.policy_out_of_reach(layer, self.engine):
-            return POLICY_OUT_OF_REACH
+            if self.engine.level == "op":
+                return POLICY_OUT_OF_REACH
+            return VARIABLES_IN_16_BITS
         verdict = event["evidence"].removesuffix(LOSS_STAYED_FINITE)
         if verdict.endswith("input_cast"):
             return CAST_OUTSIDE_THE_LAYER
@@ -1024,7 +1032,7 @@ class MonitorSession:
         state = self.memory.snapshot(-1, self.editor.get_state(), **self._counters())
         state_module.save_snapshot(self.write_dir, state, self.snapshots)
 
-    def close(self) -> StepCache:
+    def close(self) -> StepCache | None:
         """Flush, close and uninstall (end of `fit`); return the step to reuse.
 
         None where the session had ended already (`abort`): nothing to reuse.

@@ -470,9 +470,9 @@ class StepRecorder:
 
         def make_train_function(force=False):
             if not force:
-                # Only a new `fit` (or `train_on_batch`) builds it without
-                # `force`, before any callback runs: the monitored `fit` that
-                # installed this wrapper stopped without ending.
+                # Only `fit` and `train_on_batch` build it without `force`: a
+                # new call, unless from a callback of the monitored `fit`,
+                # means that `fit` stopped without ending (`_unfinished_fits`).
                 self.on_unfinished_fit()
                 if not self.installed:
                     return self.model.make_train_function(force=force)

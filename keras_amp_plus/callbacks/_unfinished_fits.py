@@ -9,15 +9,15 @@ plain `fit` would still leave skipped steps out of its loss), a graph engine's
 rewrite stays on for every later model of the process, and the record misses
 the events since its last read. Each such `fit` is ended as a step's exception
 ends it (`MonitorSession.abort`), with a warning, at the first sign that it is
-over: the same model's next `fit` or `train_on_batch` (the only callers of
-`make_train_function` without `force`, before any callback runs), or a
-monitored `fit` of another model in the same thread, when the unfinished one
-is not on its call stack (a `fit` called from inside another's callback).
+over, once its `fit` call is no longer running (its frame is off the call
+stack): the same model's next `fit` or `train_on_batch` (they build the train
+function without `force`), or any monitored `fit` in the same thread.
 """
 
 import inspect
 import logging
 import threading
+import weakref
 
 logger = logging.getLogger("keras_amp_plus")
 
@@ -30,57 +30,101 @@ ENDED_LATE = (
     "own train step back and any graph rewrite the monitor switched on is off."
 )
 
-# Sessions begun and not yet closed or aborted, oldest first. Strong
-# references: a graph engine's switches stay on until its session ends.
+# `(reference to a session, its thread)` for each session begun and not yet
+# ended, oldest first. A graph engine's session is held strongly: its global
+# switches stay on until it ends. A layer engine's is held weakly: it changed
+# nothing beyond its model, which it must not keep alive.
 _unfinished = []
 
 
 def begin(session) -> None:
-    """Note that `session` runs a `fit`, in this thread, until `finish`."""
-    session.thread_id = threading.get_ident()
-    _unfinished.append(session)
+    """Note that `session` runs in the `fit` on this call stack, until `finish`.
+
+    Its `fit` frame is the innermost one of its model on the stack (none
+    when the callback hooks are called by hand: then nothing runs it).
+    """
+    session.fit_frame = _innermost_fit_frame(session.model)
+    strong = session.engine.level == "op"
+    reference = (lambda: session) if strong else weakref.ref(session)
+    _unfinished.append((reference, threading.get_ident()))
 
 
 def finish(session) -> bool:
     """Note that `session` ended; return False when it had ended already."""
-    if session not in _unfinished:
-        return False
-    _unfinished.remove(session)
-    return True
+    for entry in list(_unfinished):
+        if entry[0]() is session:
+            _unfinished.remove(entry)
+            session.fit_frame = None  # its locals are not kept alive
+            return True
+    return False
 
 
-def end_late(session) -> None:
-    """End `session`, whose `fit` stopped without ending it; warn that it did."""
-    if session not in _unfinished:
-        return
-    logger.warning(ENDED_LATE, session.model.name)
-    session.abort()
-
-
-def end_those_left_behind(model) -> None:
-    """End every unfinished `fit` of this thread that is not running any more.
-
-    Called as a monitored `fit` of `model` begins: an unfinished one of the
-    same model is over; one running in another thread, or whose `fit` this
-    one runs inside of (from a callback), is left alone.
-    """
-    thread_id = threading.get_ident()
-    for session in list(_unfinished):
-        if session.thread_id != thread_id:
-            continue
-        if session.model is model or not _fit_is_running(session.model):
-            end_late(session)
-
-
-def _fit_is_running(model) -> bool:
-    """Return whether `model.fit` (or `train_on_batch`) is on this call stack."""
+def is_running(session) -> bool:
+    """Return whether the `fit` call of `session` is on this call stack."""
     frame = inspect.currentframe()
     try:
         while frame is not None:
-            runs_it = frame.f_code.co_name in ("fit", "train_on_batch")
-            if runs_it and frame.f_locals.get("self") is model:
+            if frame is session.fit_frame:
                 return True
             frame = frame.f_back
         return False
     finally:
         del frame  # a frame refers to its locals: no cycle left behind
+
+
+def end_late(session) -> None:
+    """End `session` unless its `fit` runs; warn that it ended without ending.
+
+    A `train_on_batch` or `fit` of the same model called from one of the
+    running `fit`'s callbacks leaves it running.
+    """
+    if session.fit_frame is not None and is_running(session):
+        return
+    if not any(entry[0]() is session for entry in _unfinished):
+        return
+    logger.warning(ENDED_LATE, session.model.name)
+    try:
+        session.abort()
+    except Exception:  # the new `fit` must not fail for the old one
+        logger.exception("AMPMonitor could not end the earlier `fit`.")
+
+
+def end_those_left_behind(model) -> None:
+    """End every unfinished `fit` of this thread whose call returned.
+
+    Called as a monitored `fit` of `model` begins. One running in another
+    thread, or around this one (this `fit` runs from its callback), is left
+    alone, except that `model` itself cannot be monitored twice at once.
+
+    Raises:
+        ValueError: when a running `fit` of `model` is monitored already.
+    """
+    thread_id = threading.get_ident()
+    for reference, thread in list(_unfinished):
+        session = reference()
+        if session is None:
+            _unfinished.remove((reference, thread))
+        elif thread == thread_id and not is_running(session):
+            end_late(session)
+        elif thread == thread_id and session.model is model:
+            raise ValueError(
+                "A running `fit` of this model is monitored by an AMPMonitor "
+                "already: one monitor per model at a time (each instruments "
+                "the train step). Pass a single AMPMonitor in `callbacks`, and "
+                "call no monitored `fit` of the model from inside its own "
+                f"`fit`. Received: model={model.name!r}, already monitored by "
+                f"an AMPMonitor with log_dir={session.monitor.log_dir!r}"
+            )
+
+
+def _innermost_fit_frame(model):
+    """Return the innermost frame of `model.fit` on this call stack, or None."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+                return frame
+            frame = frame.f_back
+        return None
+    finally:
+        del frame

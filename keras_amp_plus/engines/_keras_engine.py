@@ -10,12 +10,14 @@ part of each layer's config, so the choice survives `model.save` /
 `keras.saving.load_model`.
 
 Policies are swapped with the `layer.dtype_policy` setter: variables stay as
-they are (float32 / mixed_bfloat16 / mixed_float16 all keep float32 variables;
-a denied layer of a pure `"float16"` model computes in float32 from its
-float16 variables).
+they are (float32 / mixed_bfloat16 / mixed_float16 all keep float32 variables).
+A layer of a pure 16-bit policy (`"float16"`: 16-bit variables) is not moved
+to float32 when denied: Keras has no policy computing in float32 on 16-bit
+variables, and a layer reading its kernel without a cast (Conv2D) would fail.
 """
 
 import keras
+import tensorflow as tf
 
 from keras_amp_plus import _compat
 from keras_amp_plus._arguments import require_model
@@ -34,6 +36,21 @@ _LOW_PRECISION = ("bfloat16", "float16")
 def computes_in_16_bits(policy) -> bool:
     """Return True for a policy computing in bfloat16 or float16 (mixed or pure)."""
     return _compat.dtype_policy(policy).compute_dtype in _LOW_PRECISION
+
+
+def holds_16_bit_variables(layer) -> bool:
+    """Return True for a layer with 16-bit variables (a pure 16-bit policy's).
+
+    Example:
+    >>> import keras
+    >>> layer = keras.layers.Dense(2, dtype="float16")
+    >>> layer.build((None, 3))
+    >>> holds_16_bit_variables(layer)
+    True
+    """
+    return any(
+        tf.as_dtype(weight.dtype).name in _LOW_PRECISION for weight in layer.weights
+    )
 
 
 def model_has_16_bit_policy(model) -> bool:
@@ -115,6 +132,12 @@ class KerasEngine(Engine):
                 # on the float16 variables it was built with).
                 allowed = original if computes_in_16_bits(original) else mixed
                 policy = float32 if kind == "deny" else allowed
+                if kind == "deny" and holds_16_bit_variables(layer):
+                    # Keras has no policy computing in float32 on 16-bit
+                    # variables: a layer reading its kernel without a cast
+                    # (Conv2D) would fail in float32. It stays as it is (the
+                    # monitor says so: `_checks.policy_out_of_reach`).
+                    policy = original
                 changed |= self._set_policy(layer, policy)
             elif id(layer) in self._original_policies:
                 _, original = self._original_policies.pop(id(layer))

@@ -231,6 +231,41 @@ def set_layer_policy(layer, policy) -> None:
         layer._set_dtype_policy(policy)
 
 
+def is_legacy_optimizer(optimizer) -> bool:
+    """Return True for Keras 2's `tf.keras.optimizers.legacy.*` (Keras 3: none).
+
+    Their state, update and loss scaler (`OptimizerV2`) differ from the
+    current optimizers' that the scaler subclasses and the monitor reads.
+    """
+    return not IS_KERAS_3 and isinstance(optimizer, keras.optimizers.legacy.Optimizer)
+
+
+LEGACY_OPTIMIZER_ADVICE = (
+    "Keras 2's legacy optimizers (`tf.keras.optimizers.legacy.*`) are not "
+    "supported: use the current one of the same name, e.g. "
+    "`tf.keras.optimizers.Adam()`"
+)
+
+
+def reads_weights_in_compute_dtype(layer) -> bool:
+    """Return whether `layer`, given a mixed policy, reads its weights in 16 bits.
+
+    Keras 3 casts a layer's variables to its compute dtype when they are read.
+    Keras 2 casts only `AutoCastVariable`s, which a layer creates when built
+    under a mixed policy: one built under float32 (a float32 model's, or one
+    reloaded from a file that saved it so) holds plain float32 variables,
+    which its ops would meet with 16-bit inputs. This package's layers cast
+    their weights themselves.
+    """
+    if IS_KERAS_3 or type(layer).__module__.startswith("keras_amp_plus."):
+        return True
+    # Keras 2's class, private: the one way to tell a variable it casts.
+    from keras.src.mixed_precision.autocast_variable import AutoCastVariable
+
+    floats = [weight for weight in layer.weights if weight.dtype.is_floating]
+    return not floats or any(isinstance(w, AutoCastVariable) for w in floats)
+
+
 def uses_rms_scaling(layer) -> bool:
     """Return Keras 3's deprecated `LayerNormalization.rms_scaling` (Keras 2: no)."""
     return bool(getattr(layer, "rms_scaling", False))
@@ -413,9 +448,12 @@ def train_function_built_without_xla(model):
 
 
 def _make_keras2_loss_scale_base():
-    from keras.src.mixed_precision.loss_scale_optimizer import LossScaleOptimizerV3
+    # Keras 2's scaler class and its "you forgot to scale" warning are reached
+    # in its private module: `tf.keras.mixed_precision.LossScaleOptimizer` is
+    # a factory, not the class to subclass.
+    from keras.src.mixed_precision import loss_scale_optimizer as keras2_scaler
 
-    class Keras2LossScaleBase(LossScaleOptimizerV3):
+    class Keras2LossScaleBase(keras2_scaler.LossScaleOptimizerV3):
         """`LossScaleOptimizerV3` with the Keras 3 scaler's method names."""
 
         # As in Keras's own constructor: the scaler delegates its tracking to
@@ -456,6 +494,10 @@ def _make_keras2_loss_scale_base():
             super().build(var_list)
             self.built = True  # as Keras 3's optimizers say it
 
+        def get_config(self):
+            # Keras 2's leaves the name out (Keras 3's keeps it).
+            return {**super().get_config(), "name": self.name}
+
         @property
         def dynamic_scale(self):
             return self._loss_scale.current_loss_scale
@@ -495,12 +537,39 @@ def _make_keras2_loss_scale_base():
                 return lambda: self.scale_loss(loss())
             return self.scale_loss(loss)
 
-        def get_unscaled_gradients(self, grads):
-            # `apply` unscales (and skips non-finite steps) itself.
-            self._gradients_have_been_unscaled = True
-            return list(grads)
+        # Keras 2's contract: `get_unscaled_gradients` (inherited) divides by
+        # the scale and `apply_gradients` takes unscaled gradients, as a
+        # custom loop following the tf.keras guide passes them. `fit` calls
+        # `minimize`, which hands the scaled ones straight to `apply`, which
+        # unscales them once (and skips a non-finite step).
+
+        def minimize(self, loss, var_list, tape=None):
+            tape = tf.GradientTape() if tape is None else tape
+            with tape:
+                scaled_loss = self.get_scaled_loss(loss)
+            grads_and_vars = self._optimizer.compute_gradients(
+                scaled_loss, var_list, tape=tape
+            )
+            self._gradients_have_been_unscaled = True  # by `apply`
+            return self._apply_scaled(grads_and_vars)
 
         def apply_gradients(
+            self, grads_and_vars, skip_gradients_aggregation=False, **kwargs
+        ):
+            keras2_scaler._maybe_warn_about_scaling(
+                self._loss_has_been_scaled, self._gradients_have_been_unscaled
+            )
+            # Scaled back (exactly: the scale is a power of two) for `apply`.
+            scale = self.dynamic_scale
+            grads_and_vars = [
+                (None if g is None else keras2_scaler._multiply_gradient(g, scale), v)
+                for g, v in grads_and_vars
+            ]
+            return self._apply_scaled(
+                grads_and_vars, skip_gradients_aggregation, **kwargs
+            )
+
+        def _apply_scaled(
             self, grads_and_vars, skip_gradients_aggregation=False, **kwargs
         ):
             grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]

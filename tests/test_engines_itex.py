@@ -46,6 +46,30 @@ def test_data_type_is_checked():
         ItexEngine(data_type="bf16")
 
 
+@pytest.mark.itex
+@pytest.mark.parametrize("float16_arithmetic", [False, True])
+def test_float16_on_a_cpu_without_its_arithmetic_fails_before_training(
+    monkeypatch, float16_arithmetic
+):
+    # ITEX's CPU build skips its whole rewrite for FLOAT16 there: the model
+    # would train in float32.
+    from keras_amp_plus import _hardware
+
+    facts = _hardware.cpu_facts()
+    features = {flag: False for flag in _hardware.LOW_PRECISION_FLAGS}
+    features["avx512_fp16"] = float16_arithmetic
+    monkeypatch.setattr(_hardware, "cpu_facts", lambda: {**facts, "features": features})
+    monkeypatch.setattr(_hardware, "has_xpu", lambda: False)
+    engine = ItexEngine(data_type="FLOAT16")
+    if float16_arithmetic:
+        engine.check_available(_model())
+        return
+    with pytest.raises(RuntimeError, match="cannot run on this CPU") as info:
+        engine.check_available(_model())
+    assert "data_type='BFLOAT16'" in str(info.value)
+    assert "Received: engine='itex', data_type='FLOAT16'" in str(info.value)
+
+
 def test_every_add_is_paired_with_removes_from_the_other_lists():
     fields = itex_list_fields({}, {"Mean": "deny", "MatMul": "infer"}, environ={})
     assert set(fields) == set(FIELD_NAMES)

@@ -408,3 +408,32 @@ def test_a_mixed_float16_model_under_the_op_engine_is_told_why_denials_fail(
     assert "'hot'" in caplog.text.split("moves op types")[1].split("\n")[0]
     assert "which the engine's op lists cannot change" in caplog.text
     assert "not finite in float32 either" not in caplog.text
+
+
+@pytest.mark.itex_bfloat16
+def test_a_layer_built_in_float32_stays_there_when_allowed_on_keras_2(caplog):
+    # Keras 2 casts only the AutoCastVariables a layer built under a mixed
+    # policy made: a float32-built Conv2D moved to 16 bits failed its first
+    # step. It stays in float32 and the reason is said; our LayerNormalization,
+    # which casts its weights itself, moves.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    hidden = keras.layers.Conv2D(4, 3, name="conv")(inputs)
+    hidden = kap.layers.LayerNormalization(name="ln")(hidden)
+    outputs = keras.layers.Dense(1, name="out")(
+        keras.layers.GlobalAveragePooling2D()(hidden)
+    )
+    model = keras.Model(inputs, outputs)
+    model.compile("sgd", "mse")
+    lists = PrecisionLists(allow_layers=("conv", "ln"))
+    x = np.random.default_rng(0).normal(size=(16, 8, 8, 3)).astype("float32")
+    y = np.zeros((16, 1), "float32")
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        history = model.fit(
+            x, y, epochs=1, verbose=0, callbacks=[kap.AMPMonitor(None, lists=lists)]
+        )
+    assert np.isfinite(history.history["loss"][0])
+    assert model.get_layer("conv").compute_dtype == "float32"
+    assert model.get_layer("ln").compute_dtype == "bfloat16"
+    said = [m for m in caplog.messages if "stays in float32" in m]
+    assert len(said) == 1 and "'conv'" in said[0]

@@ -92,9 +92,11 @@ def test_config_round_trip_keeps_every_argument():
         hysteresis=2,
         on_min_scale="raise",
         event_buffer_size=9,
+        name="my_scaler",
     )
     config = optimizer.get_config()
     clone = LossScaleOptimizer.from_config(config)
+    assert clone.name == "my_scaler"
     for name in (
         "growth_factor",
         "backoff_factor",
@@ -307,3 +309,46 @@ def test_replay_names_the_nested_layer_whose_cast_overflowed(with_input):
         assert found == {"layer": "backbone/first", "reason": "output"}
     finally:
         _compat.set_global_policy("float32")
+
+
+@pytest.mark.itex
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_custom_loop_of_the_tf_keras_guide_updates_as_keras_scaler(clip):
+    # Keras 2's contract: `get_unscaled_gradients` returns the true gradients
+    # (users clip or log them), `apply_gradients` applies them as they are.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype("float32")
+    y = rng.normal(size=(8, 3)).astype("float32")
+    kernel = rng.normal(size=(4, 3)).astype("float32")
+    true_grad = 2 * x.astype("float64").T @ (x @ kernel - y) / y.size
+    kernels = []
+    for make in (LossScaleOptimizer, keras.mixed_precision.LossScaleOptimizer):
+        variable = tf.Variable(kernel)
+        optimizer = make(keras.optimizers.SGD(0.1), initial_scale=1024.0)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.matmul(x, variable) - y))
+            scaled = optimizer.get_scaled_loss(loss)
+        (grad,) = optimizer.get_unscaled_gradients(tape.gradient(scaled, [variable]))
+        np.testing.assert_allclose(grad.numpy(), true_grad, rtol=1e-5)
+        if clip:
+            (grad,), _ = tf.clip_by_global_norm([grad], 0.5)
+        optimizer.apply_gradients([(grad, variable)])
+        kernels.append(variable.numpy())
+    np.testing.assert_array_equal(kernels[0], kernels[1])
+    step = true_grad * (min(1.0, 0.5 / np.linalg.norm(true_grad)) if clip else 1.0)
+    np.testing.assert_allclose(kernels[0], kernel - 0.1 * step, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.itex
+def test_keras_2_legacy_optimizers_are_refused_with_the_fix():
+    with pytest.raises(TypeError, match=r"legacy optimizers .* not supported"):
+        LossScaleOptimizer(keras.optimizers.legacy.Adam())
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.legacy.Adam(), "mse")  # Keras wraps its scaler
+    kernel = model.layers[0].kernel.numpy()
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+    with pytest.raises(ValueError, match=r"legacy optimizers .* not supported") as info:
+        model.fit(x, y, verbose=0, callbacks=[kap.callbacks.AMPMonitor(None)])
+    assert "Received: optimizer=" in str(info.value)
+    np.testing.assert_array_equal(model.layers[0].kernel.numpy(), kernel)

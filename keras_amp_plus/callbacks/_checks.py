@@ -112,6 +112,14 @@ def check_model(model) -> None:
             "loss scale and overflow records from it. Call `model.compile("
             "optimizer=..., loss=...)` first. Received: optimizer=None"
         )
+    if _compat.is_legacy_optimizer(model.optimizer):
+        raise ValueError(
+            "AMPMonitor reads the loss scale and overflow records of a current "
+            f"Keras optimizer: {_compat.LEGACY_OPTIMIZER_ADVICE} (Keras wraps it "
+            "in its loss scaler under mixed_float16 by itself). Received: "
+            f"optimizer={type(model.optimizer).__module__}."
+            f"{type(model.optimizer).__name__}"
+        )
     check_scaled_once(model.optimizer)
     if not model.built:
         # A subclassed model (or a Sequential without an `Input`) creates its

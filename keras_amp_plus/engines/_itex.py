@@ -187,6 +187,26 @@ def require_bfloat16_kernels() -> None:
         )
 
 
+def require_float16_arithmetic() -> None:
+    """Raise a RuntimeError where ITEX's CPU build refuses its float16 rewrite.
+
+    On a CPU without float16 arithmetic (AVX512-FP16, AMX-FP16) ITEX fails
+    its whole Advanced AMP pass ("should be set BFLOAT16") and the model
+    trains in float32.
+    """
+    features = _hardware.cpu_facts()["features"]
+    if features is None or _hardware.has_any(features, _hardware.FLOAT16_FLAGS):
+        return  # unknown: ITEX decides
+    raise RuntimeError(
+        "engine='itex' with data_type='FLOAT16' cannot run on this CPU: ITEX "
+        "rewrites to float16 on CPUs with float16 arithmetic (AVX512-FP16) only "
+        "and otherwise skips its whole Advanced AMP pass, so the model would "
+        "train in float32. Use data_type='BFLOAT16' (ITEX's default on CPUs) or "
+        "None. Received: engine='itex', data_type='FLOAT16', CPU features "
+        f"{features}"
+    )
+
+
 class ItexEngine(Engine):
     """Switch on ITEX's Advanced AMP and apply op lists through `itex.set_config`.
 
@@ -220,8 +240,9 @@ class ItexEngine(Engine):
     def check_available(self, model: keras.Model) -> None:
         """Raise now (before any step) if this engine cannot run here.
 
-        Without ITEX, or where ITEX's bfloat16 kernels would abort the process
-        (its AVX2 CPU backend), found out by a subprocess probe.
+        Without ITEX, where ITEX's bfloat16 kernels would abort the process
+        (its AVX2 CPU backend), found out by a subprocess probe, or where its
+        float16 rewrite would not run (a CPU without float16 arithmetic).
 
         Args:
             model: the Keras model (unused).
@@ -231,6 +252,8 @@ class ItexEngine(Engine):
         on_cpu = not _hardware.has_xpu()
         if self.data_type == "BFLOAT16" and on_cpu:
             require_bfloat16_kernels()
+        if self.data_type == "FLOAT16" and on_cpu:
+            require_float16_arithmetic()
 
     def apply(self, model: keras.Model, lists: PrecisionLists) -> None:
         """Set ITEX's AMP lists from `itex.get_config()`, then rebuild.

@@ -14,7 +14,12 @@ they are (float32 / mixed_bfloat16 / mixed_float16 all keep float32 variables).
 A layer of a pure 16-bit policy (`"float16"`: 16-bit variables) is not moved
 to float32 when denied: Keras has no policy computing in float32 on 16-bit
 variables, and a layer reading its kernel without a cast (Conv2D) would fail.
+On Keras 2 a layer built under a float32 policy is not moved to 16 bits when
+allowed, with a warning: Keras 2 casts only the variables a layer built under
+a mixed policy made (`_compat.reads_weights_in_compute_dtype`).
 """
+
+import logging
 
 import keras
 import tensorflow as tf
@@ -29,7 +34,18 @@ from keras_amp_plus._lists.precision_lists import (
 )
 from keras_amp_plus.engines._base import Engine, rebuild_functions, remember_engine
 
+logger = logging.getLogger("keras_amp_plus")
+
 DEFAULT_MIXED_POLICY = "mixed_bfloat16"
+KEPT_IN_FLOAT32 = (
+    "keras_amp_plus: layer %r stays in float32 although its lists allow 16 "
+    "bits: on Keras 2 a layer built under a float32 policy (a float32 "
+    "model's, or one reloaded from a file that saved it denied) holds plain "
+    "float32 variables, which Keras 2 does not cast, and its ops would fail "
+    "on 16-bit inputs. Build the model under the mixed policy "
+    "(`tf.keras.mixed_precision.set_global_policy`) and give the layer "
+    "`dtype='float32'` only where it must stay in float32."
+)
 _LOW_PRECISION = ("bfloat16", "float16")
 
 
@@ -84,6 +100,7 @@ class KerasEngine(Engine):
 
     def __init__(self):
         self._original_policies = {}
+        self._kept_layers = set()  # ids of layers said to stay in float32
 
     def mixed_policy(self, model):
         """Return the policy allowed layers get (see the module docstring)."""
@@ -132,6 +149,8 @@ class KerasEngine(Engine):
                 # on the float16 variables it was built with).
                 allowed = original if computes_in_16_bits(original) else mixed
                 policy = float32 if kind == "deny" else allowed
+                if kind != "deny" and not _compat.reads_weights_in_compute_dtype(layer):
+                    policy = self._kept_in_float32(layer)
                 if kind == "deny" and holds_16_bit_variables(layer):
                     # Keras has no policy computing in float32 on 16-bit
                     # variables: a layer reading its kernel without a cast
@@ -162,6 +181,13 @@ class KerasEngine(Engine):
                 "engine. Use engine='grappler' (or 'itex'), or move the entries "
                 f"to `allow_layers`/`deny_layers`. Received: {op_entries}"
             )
+
+    def _kept_in_float32(self, layer):
+        """Return the policy `layer` keeps; say once why it stays as it is."""
+        if id(layer) not in self._kept_layers:
+            self._kept_layers.add(id(layer))
+            logger.warning(KEPT_IN_FLOAT32, layer.name)
+        return layer.dtype_policy
 
     @staticmethod
     def _set_policy(layer, policy) -> bool:

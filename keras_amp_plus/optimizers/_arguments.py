@@ -26,9 +26,12 @@ def check_inner_optimizer(inner_optimizer) -> None:
             f"inner_optimizer={inner_optimizer!r}"
         )
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        legacy = _compat.is_legacy_optimizer(inner_optimizer)
         raise TypeError(
             "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance, "
-            "e.g. `keras.optimizers.Adam()`. Received: "
+            "e.g. `keras.optimizers.Adam()`"
+            + (f" ({_compat.LEGACY_OPTIMIZER_ADVICE})" if legacy else "")
+            + ". Received: "
             f"inner_optimizer={inner_optimizer!r} of type "
             f"{type(inner_optimizer).__name__}"
         )

@@ -146,3 +146,23 @@ def test_layer_entries_become_op_types_and_explicit_ops_win():
     assert placements["MatMul"] == "deny"
     assert placements["Mean"] == placements["Rsqrt"] == "deny"
     assert placements["Softmax"] == "allow"  # the explicit op entry
+
+
+@pytest.mark.itex
+def test_the_grappler_engine_is_refused_where_itex_would_crash_on_its_rewrite():
+    # ITEX's remapper segfaults on a train step grappler's bfloat16 rewrite
+    # converted: refused before anything changes, the ITEX engine named.
+    import numpy as np
+
+    import keras_amp_plus as kap
+    from keras_amp_plus.engines import GrapplerEngine
+
+    model = _model()
+    model.compile("sgd", "mse")
+    with pytest.raises(RuntimeError, match="engine='itex'"):
+        GrapplerEngine().check_available(model)
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+    monitor = kap.callbacks.AMPMonitor(None, engine="grappler")
+    with pytest.raises(RuntimeError, match="segmentation fault"):
+        model.fit(x, y, verbose=0, callbacks=[monitor])
+    assert int(model.optimizer.iterations.numpy()) == 0

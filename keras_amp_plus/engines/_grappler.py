@@ -76,6 +76,24 @@ def check_onednn_enabled() -> None:
         raise RuntimeError(ONEDNN_OFF_MESSAGE.format(repr(value)))
 
 
+def check_no_itex() -> None:
+    """Raise where ITEX is installed: its remapper crashes on this rewrite.
+
+    ITEX's graph remapper runs after grappler's and dies with a segmentation
+    fault (`FindBf16ContractionGradWithCastFp32`) on a train step this
+    rewrite converted to bfloat16: the process would abort at the first step.
+    """
+    if _compat.itex_module() is None:
+        return
+    raise RuntimeError(
+        "engine='grappler' cannot run where Intel Extension for TensorFlow is "
+        "installed: ITEX's graph remapper crashes the process (a segmentation "
+        "fault) on a train step TensorFlow's bfloat16 rewrite converted. Use "
+        "engine='itex', which drives ITEX's own Advanced AMP with the same op "
+        "lists. Received: engine='grappler' with ITEX importable"
+    )
+
+
 def list_variable(field: str) -> str:
     """Return the environment variable of a list field (`denylist_add` -> ...)."""
     return ENV_PREFIX + field.upper()
@@ -194,12 +212,16 @@ class GrapplerEngine(Engine):
         return path
 
     def check_available(self, model: keras.Model) -> None:
-        """Raise when oneDNN is off: the rewrite would silently do nothing.
+        """Raise where the rewrite cannot run: oneDNN off, or ITEX installed.
+
+        With oneDNN off the rewrite would silently do nothing; ITEX's
+        remapper crashes on the rewritten step (`check_no_itex`).
 
         Args:
             model: the Keras model (unused).
         """
         del model
+        check_no_itex()
         check_onednn_enabled()
 
     def apply(self, model: keras.Model, lists: PrecisionLists) -> None:
@@ -217,6 +239,7 @@ class GrapplerEngine(Engine):
         """
         require_model(model, "GrapplerEngine.apply")
         lists = as_precision_lists(lists)
+        check_no_itex()
         check_onednn_enabled()
         placements = op_placements(model, lists)  # raises before any change
         warn_if_xla(model, self.name)

@@ -254,16 +254,32 @@ def reads_weights_in_compute_dtype(layer) -> bool:
     Keras 2 casts only `AutoCastVariable`s, which a layer creates when built
     under a mixed policy: one built under float32 (a float32 model's, or one
     reloaded from a file that saved it so) holds plain float32 variables,
-    which its ops would meet with 16-bit inputs. This package's layers cast
-    their weights themselves.
+    which ops such as Dense's and Conv2D's would meet with 16-bit inputs.
+    Layers whose weights skip autocasting by design cast them themselves:
+    Keras 2's BatchNormalization, LayerNormalization and Embedding, this
+    package's and ITEX's layers.
     """
-    if IS_KERAS_3 or type(layer).__module__.startswith("keras_amp_plus."):
+    if IS_KERAS_3 or _casts_its_own_weights(layer):
         return True
     # Keras 2's class, private: the one way to tell a variable it casts.
     from keras.src.mixed_precision.autocast_variable import AutoCastVariable
 
     floats = [weight for weight in layer.weights if weight.dtype.is_floating]
     return not floats or any(isinstance(w, AutoCastVariable) for w in floats)
+
+
+_SELF_CASTING_PACKAGES = ("keras_amp_plus.", "intel_extension_for_tensorflow.")
+
+
+def _casts_its_own_weights(layer) -> bool:
+    """Return whether a Keras 2 layer's weights skip autocasting by design."""
+    layers = keras.layers
+    if isinstance(layer, layers.BatchNormalization | layers.LayerNormalization):
+        return True
+    if isinstance(layer, layers.Embedding):
+        return True
+    modules = (cls.__module__ for cls in type(layer).__mro__)
+    return any(module.startswith(_SELF_CASTING_PACKAGES) for module in modules)
 
 
 def uses_rms_scaling(layer) -> bool:
@@ -539,9 +555,10 @@ def _make_keras2_loss_scale_base():
 
         # Keras 2's contract: `get_unscaled_gradients` (inherited) divides by
         # the scale and `apply_gradients` takes unscaled gradients, as a
-        # custom loop following the tf.keras guide passes them. `fit` calls
-        # `minimize`, which hands the scaled ones straight to `apply`, which
-        # unscales them once (and skips a non-finite step).
+        # custom loop following the tf.keras guide passes them, and applies
+        # them as they are. `fit` calls `minimize`, which hands the scaled
+        # ones straight to `apply`, which unscales them once. Both skip a
+        # non-finite step and record it.
 
         def minimize(self, loss, var_list, tape=None):
             tape = tf.GradientTape() if tape is None else tape
@@ -553,21 +570,23 @@ def _make_keras2_loss_scale_base():
             self._gradients_have_been_unscaled = True  # by `apply`
             return self._apply_scaled(grads_and_vars)
 
+        # Read by `apply` (`_apply_step.apply_unscaled`): the gradients it
+        # gets are unscaled already; it checks and records them only.
+        gradients_unscaled_by_caller = False
+
         def apply_gradients(
             self, grads_and_vars, skip_gradients_aggregation=False, **kwargs
         ):
             keras2_scaler._maybe_warn_about_scaling(
                 self._loss_has_been_scaled, self._gradients_have_been_unscaled
             )
-            # Scaled back (exactly: the scale is a power of two) for `apply`.
-            scale = self.dynamic_scale
-            grads_and_vars = [
-                (None if g is None else keras2_scaler._multiply_gradient(g, scale), v)
-                for g, v in grads_and_vars
-            ]
-            return self._apply_scaled(
-                grads_and_vars, skip_gradients_aggregation, **kwargs
-            )
+            self.gradients_unscaled_by_caller = True
+            try:
+                return self._apply_scaled(
+                    grads_and_vars, skip_gradients_aggregation, **kwargs
+                )
+            finally:
+                self.gradients_unscaled_by_caller = False
 
         def _apply_scaled(
             self, grads_and_vars, skip_gradients_aggregation=False, **kwargs
@@ -702,16 +721,22 @@ def apply_inner(inner_optimizer, grads, variables) -> None:
 
 
 def divide(gradient, scale):
-    """Return `gradient / scale` (dense or `tf.IndexedSlices`)."""
+    """Return `gradient / scale` (dense or `tf.IndexedSlices`).
+
+    Keras 2 as its own scaler does it: times the reciprocal, cast to the
+    gradient's dtype. A float16 gradient's scale of 65536 or more would be
+    infinite in float16; its reciprocal is not.
+    """
     if IS_KERAS_3:
         return keras.ops.divide(gradient, scale)
+    reciprocal = 1.0 / tf.cast(scale, tf.float32)
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(
-            gradient.values / tf.cast(scale, gradient.values.dtype),
+            gradient.values * tf.cast(reciprocal, gradient.values.dtype),
             gradient.indices,
             gradient.dense_shape,
         )
-    return gradient / tf.cast(scale, gradient.dtype)
+    return gradient * tf.cast(reciprocal, gradient.dtype)
 
 
 def build_from_first_replica(model, strategy) -> bool:

@@ -437,3 +437,25 @@ def test_a_layer_built_in_float32_stays_there_when_allowed_on_keras_2(caplog):
     assert model.get_layer("ln").compute_dtype == "bfloat16"
     said = [m for m in caplog.messages if "stays in float32" in m]
     assert len(said) == 1 and "'conv'" in said[0]
+
+
+def test_keras_2_layers_that_skip_autocasting_move_back_to_16_bits(caplog):
+    # Keras 2's normalizations and Embedding keep plain float32 weights
+    # under a mixed policy by design: denied and allowed back, they compute
+    # in 16 bits again, without the warning for float32-built layers.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Embedding(10, 4, name="emb")(inputs)
+    hidden = keras.layers.BatchNormalization(name="bn")(hidden)
+    hidden = keras.layers.LayerNormalization(name="ln")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(hidden))
+    engine = kap.engines.KerasEngine()
+    names = ("emb", "bn", "ln")
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        engine.apply(model, PrecisionLists(deny_layers=names))
+        assert {model.get_layer(n).compute_dtype for n in names} == {"float32"}
+        engine.apply(model, PrecisionLists(allow_layers=names))
+    assert {model.get_layer(n).compute_dtype for n in names} == {"float16"}
+    assert not [m for m in caplog.messages if "stays in float32" in m]
+    outputs = model(np.arange(12).reshape(2, 6) % 10, training=True)
+    assert np.isfinite(np.asarray(outputs, "float32")).all()

@@ -312,8 +312,9 @@ def test_replay_names_the_nested_layer_whose_cast_overflowed(with_input):
 
 
 @pytest.mark.itex
+@pytest.mark.parametrize("scale", [1024.0, 1000.0])
 @pytest.mark.parametrize("clip", [False, True])
-def test_a_custom_loop_of_the_tf_keras_guide_updates_as_keras_scaler(clip):
+def test_a_custom_loop_of_the_tf_keras_guide_updates_as_keras_scaler(clip, scale):
     # Keras 2's contract: `get_unscaled_gradients` returns the true gradients
     # (users clip or log them), `apply_gradients` applies them as they are.
     rng = np.random.default_rng(0)
@@ -324,7 +325,7 @@ def test_a_custom_loop_of_the_tf_keras_guide_updates_as_keras_scaler(clip):
     kernels = []
     for make in (LossScaleOptimizer, keras.mixed_precision.LossScaleOptimizer):
         variable = tf.Variable(kernel)
-        optimizer = make(keras.optimizers.SGD(0.1), initial_scale=1024.0)
+        optimizer = make(keras.optimizers.SGD(0.1), initial_scale=scale)
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(tf.matmul(x, variable) - y))
             scaled = optimizer.get_scaled_loss(loss)
@@ -352,3 +353,38 @@ def test_keras_2_legacy_optimizers_are_refused_with_the_fix():
         model.fit(x, y, verbose=0, callbacks=[kap.callbacks.AMPMonitor(None)])
     assert "Received: optimizer=" in str(info.value)
     np.testing.assert_array_equal(model.layers[0].kernel.numpy(), kernel)
+
+
+@pytest.mark.itex
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_float16_variables_train_at_scales_beyond_float16_as_keras_scaler(loop):
+    # 65536 is infinite in float16; its reciprocal is not. Small gradients
+    # (inputs of 0.01) stay finite scaled; the loss is float32.
+    kernels = []
+    for make in (LossScaleOptimizer, keras.mixed_precision.LossScaleOptimizer):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(2, dtype="float16"),
+                keras.layers.Activation("linear", dtype="float32"),
+            ]
+        )
+        optimizer = make(keras.optimizers.SGD(1.0), initial_scale=2.0**16)
+        x, y = np.full((8, 4), 0.01, "float32"), np.zeros((8, 2), "float32")
+        if loop == "fit":
+            model.compile(optimizer, "mse")
+            model.fit(x, y, batch_size=8, verbose=0)
+        else:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x) - y))
+                scaled = optimizer.get_scaled_loss(loss)
+            grads = tape.gradient(scaled, model.trainable_variables)
+            assert all(np.isfinite(g.numpy()).all() for g in grads)
+            grads = optimizer.get_unscaled_gradients(grads)
+            optimizer.apply_gradients(
+                zip(grads, model.trainable_variables, strict=True)
+            )
+        assert int(optimizer.iterations.numpy()) == 1  # applied, not skipped
+        kernels.append(model.layers[0].kernel.numpy())
+    np.testing.assert_array_equal(kernels[0], kernels[1])

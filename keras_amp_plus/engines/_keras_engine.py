@@ -41,8 +41,9 @@ KEPT_IN_FLOAT32 = (
     "keras_amp_plus: layer %r stays in float32 although its lists allow 16 "
     "bits: on Keras 2 a layer built under a float32 policy (a float32 "
     "model's, or one reloaded from a file that saved it denied) holds plain "
-    "float32 variables, which Keras 2 does not cast, and its ops would fail "
-    "on 16-bit inputs. Build the model under the mixed policy "
+    "float32 variables, which Keras 2 does not cast, and ops such as Dense's "
+    "and Conv2D's fail on them with 16-bit inputs. Build the model under the "
+    "mixed policy "
     "(`tf.keras.mixed_precision.set_global_policy`) and give the layer "
     "`dtype='float32'` only where it must stay in float32."
 )
@@ -149,7 +150,12 @@ class KerasEngine(Engine):
                 # on the float16 variables it was built with).
                 allowed = original if computes_in_16_bits(original) else mixed
                 policy = float32 if kind == "deny" else allowed
-                if kind != "deny" and not _compat.reads_weights_in_compute_dtype(layer):
+                # A layer that ran in 16 bits before can again.
+                if (
+                    kind != "deny"
+                    and not computes_in_16_bits(original)
+                    and not _compat.reads_weights_in_compute_dtype(layer)
+                ):
                     policy = self._kept_in_float32(layer)
                 if kind == "deny" and holds_16_bit_variables(layer):
                     # Keras has no policy computing in float32 on 16-bit

@@ -27,9 +27,16 @@ from keras_amp_plus.optimizers._finite_flags import any_nan, finite_flags
 
 
 def apply_unscaled(optimizer, grads, trainable_variables):
-    """Unscale the gradients and let the inner optimizer apply them."""
-    if optimizer.min_scale == optimizer.max_scale == 1.0:
-        unscaled = list(grads)  # guard mode: dividing by 1 is a wasted pass
+    """Unscale the gradients and let the inner optimizer apply them.
+
+    Not where they come unscaled already: in guard mode (dividing by 1 is a
+    wasted pass) and from Keras 2's `apply_gradients`, whose contract takes
+    unscaled gradients.
+    """
+    if optimizer.min_scale == optimizer.max_scale == 1.0 or getattr(
+        optimizer, "gradients_unscaled_by_caller", False
+    ):
+        unscaled = list(grads)
     else:
         variables = trainable_variables or optimizer._tracked.variables
         scale = tf.convert_to_tensor(optimizer.dynamic_scale)

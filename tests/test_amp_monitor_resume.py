@@ -23,11 +23,16 @@ from keras_amp_plus.optimizers import LossScaleOptimizer
 
 
 class Interrupt(keras.callbacks.Callback):
-    """Raise in the middle of epoch `epoch`, after the monitor's reads."""
+    """Raise `error` in the middle of epoch `epoch`, after the monitor's reads.
 
-    def __init__(self, epoch, batch):
+    Outside the step: a callback's error, or `KeyboardInterrupt` as Ctrl-C
+    landing between two steps.
+    """
+
+    def __init__(self, epoch, batch, error=None):
         super().__init__()
         self.epoch, self.batch = epoch, batch
+        self.error = RuntimeError("interrupted") if error is None else error
         self.current = None
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -35,7 +40,7 @@ class Interrupt(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self.current == self.epoch and batch == self.batch:
-            raise RuntimeError("interrupted")
+            raise self.error
 
 
 def run(log_dir, backup_dir, adapt, interrupt=None, epochs=4):
@@ -320,22 +325,6 @@ def test_a_run_killed_in_its_first_epoch_is_not_numbered_again(tmp_path):
     assert {r["run"] for r in records[1:]} == {2}
 
 
-class _RaiseOutsideTheStep(keras.callbacks.Callback):
-    """A callback raising `KeyboardInterrupt` (Ctrl-C between two steps)."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.epoch, self.batch = epoch, batch
-        self.current = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.current == self.epoch and batch == self.batch:
-            raise KeyboardInterrupt
-
-
 def test_a_fit_stopped_by_a_callback_ends_at_the_next_fit_of_its_model(
     tmp_path, caplog
 ):
@@ -345,7 +334,8 @@ def test_a_fit_stopped_by_a_callback_ends_at_the_next_fit_of_its_model(
     model = overflow_model("mixed_float16", on_min_scale="ignore")
     monitor = AMPMonitor(log_dir, adapt=False)
     with pytest.raises(KeyboardInterrupt):
-        train(model, [monitor, _RaiseOutsideTheStep(epoch=1, batch=3)], epochs=2)
+        ctrl_c = Interrupt(epoch=1, batch=3, error=KeyboardInterrupt)
+        train(model, [monitor, ctrl_c], epochs=2)
     assert "train_step" in model.__dict__  # nothing ran since
     with caplog.at_level("WARNING", logger="keras_amp_plus"):
         train(model, [], epochs=1)
@@ -376,7 +366,7 @@ def test_a_rewrite_left_on_by_a_stopped_fit_is_off_after_another_models_fit():
     with pytest.raises(KeyboardInterrupt):
         train(
             first,
-            [AMPMonitor(None, engine="grappler"), _RaiseOutsideTheStep(0, 1)],
+            [AMPMonitor(None, engine="grappler"), Interrupt(0, 1, KeyboardInterrupt)],
             epochs=1,
         )
     assert options() is True
@@ -443,8 +433,9 @@ def test_a_model_whose_fit_stopped_outside_its_steps_can_be_collected(tmp_path):
 
     model = overflow_model("mixed_float16", on_min_scale="ignore")
     with pytest.raises(KeyboardInterrupt):
-        train(model, [AMPMonitor(str(tmp_path)), _RaiseOutsideTheStep(0, 1)], epochs=1)
+        ctrl_c = Interrupt(0, 1, KeyboardInterrupt)
+        train(model, [AMPMonitor(str(tmp_path)), ctrl_c], epochs=1)
     alive = weakref.ref(model)
-    del model
+    del model, ctrl_c  # the callback holds the model too
     gc.collect()
     assert alive() is None

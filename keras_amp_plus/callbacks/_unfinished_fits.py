@@ -49,14 +49,19 @@ def begin(session) -> None:
     _unfinished.append((reference, threading.get_ident()))
 
 
+def _entry_of(session):
+    """Return the `_unfinished` entry of `session`, or None once it ended."""
+    return next((entry for entry in _unfinished if entry[0]() is session), None)
+
+
 def finish(session) -> bool:
     """Note that `session` ended; return False when it had ended already."""
-    for entry in list(_unfinished):
-        if entry[0]() is session:
-            _unfinished.remove(entry)
-            session.fit_frame = None  # its locals are not kept alive
-            return True
-    return False
+    entry = _entry_of(session)
+    if entry is None:
+        return False
+    _unfinished.remove(entry)
+    session.fit_frame = None  # its locals are not kept alive
+    return True
 
 
 def is_running(session) -> bool:
@@ -80,7 +85,7 @@ def end_late(session) -> None:
     """
     if session.fit_frame is not None and is_running(session):
         return
-    if not any(entry[0]() is session for entry in _unfinished):
+    if _entry_of(session) is None:
         return
     logger.warning(ENDED_LATE, session.model.name)
     try:

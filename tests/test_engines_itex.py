@@ -68,6 +68,13 @@ def test_float16_on_a_cpu_without_its_arithmetic_fails_before_training(
         engine.check_available(_model())
     assert "data_type='BFLOAT16'" in str(info.value)
     assert "Received: engine='itex', data_type='FLOAT16'" in str(info.value)
+    # Called directly, apply refuses too, before ITEX's config changes.
+    import intel_extension_for_tensorflow as itex
+
+    before = itex.get_config().SerializeToString(deterministic=True)
+    with pytest.raises(RuntimeError, match="cannot run on this CPU"):
+        engine.apply(_model(), PrecisionLists())
+    assert itex.get_config().SerializeToString(deterministic=True) == before
 
 
 def test_every_add_is_paired_with_removes_from_the_other_lists():

@@ -31,7 +31,10 @@ from keras_amp_plus.callbacks._step_recorder import (
 )
 from keras_amp_plus.engines import resolve_engine
 from keras_amp_plus.engines._itex import require_itex
-from keras_amp_plus.engines._keras_engine import holds_16_bit_variables
+from keras_amp_plus.engines._keras_engine import (
+    computes_in_16_bits,
+    holds_16_bit_variables,
+)
 from keras_amp_plus.engines._resolve import check_engine_name
 
 DEFAULT_CAPACITY = 64
@@ -104,6 +107,18 @@ def _check_log_dir(log_dir) -> None:
         )
 
 
+def _qualified_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__name__}"
+
+
+def _described_optimizer(optimizer) -> str:
+    """Name the user's optimizer, also inside the loss scaler Keras wrapped it in."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is None:
+        return _qualified_name(optimizer)
+    return f"{_qualified_name(inner)} (wrapped in {type(optimizer).__name__})"
+
+
 def check_model(model) -> None:
     """Raise unless `model` was compiled with an optimizer and is built."""
     if getattr(model, "optimizer", None) is None:
@@ -117,8 +132,7 @@ def check_model(model) -> None:
             "AMPMonitor reads the loss scale and overflow records of a current "
             f"Keras optimizer: {_compat.LEGACY_OPTIMIZER_ADVICE} (Keras wraps it "
             "in its loss scaler under mixed_float16 by itself). Received: "
-            f"optimizer={type(model.optimizer).__module__}."
-            f"{type(model.optimizer).__name__}"
+            f"optimizer={_described_optimizer(model.optimizer)}"
         )
     check_scaled_once(model.optimizer)
     if not model.built:
@@ -222,7 +236,7 @@ def policy_out_of_reach(layer, engine) -> bool:
     engine cannot move a layer with 16-bit variables (`KerasEngine.apply`).
     """
     if engine.level == "op":
-        return layer.dtype_policy.compute_dtype in ("float16", "bfloat16")
+        return computes_in_16_bits(layer.dtype_policy)
     return holds_16_bit_variables(layer)
 
 

@@ -268,6 +268,10 @@ class ItexEngine(Engine):
         require_model(model, "ItexEngine.apply")
         lists = as_precision_lists(lists)
         itex = require_itex()
+        if self.data_type == "FLOAT16" and not _hardware.has_xpu():
+            # Cheap, unlike the bfloat16 probe: an apply that ITEX would skip
+            # whole fails before the config changes, called directly too.
+            require_float16_arithmetic()
         placements = with_fused_variants(op_placements(model, lists))
         warn_if_xla(model, self.name)
         config = itex.get_config()

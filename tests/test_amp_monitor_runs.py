@@ -241,6 +241,46 @@ def test_a_nan_validation_is_never_the_best(tmp_path, caplog):
     assert np.isfinite(model.evaluate(x[:32], y[:32], verbose=0))
 
 
+def test_an_accuracy_measured_on_nan_outputs_is_never_the_best(tmp_path):
+    # Epoch 0's validation runs on NaN outputs: its loss is NaN, and its
+    # accuracy (argmax of NaN picks class 0, 90% of the labels) is a number
+    # that no trained epoch reaches: it must not be kept for the best.
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype("float32")
+    y = (rng.random(256) < 0.1).astype("int32")
+    inputs = keras.Input((8,))
+    big = keras.initializers.Constant(1e5)  # its outputs overflow float16
+    hidden = keras.layers.Dense(16, name="hot", kernel_initializer=big)(inputs)
+    hidden = keras.layers.Dense(16, activation="relu")(hidden)
+    outputs = keras.layers.Dense(2, activation="softmax", dtype="float32")(hidden)
+    model = keras.Model(inputs, outputs)
+    optimizer = LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "best.keras"), monitor="val_accuracy", save_best_only=True
+    )
+    history = model.fit(
+        x,
+        y,
+        epochs=4,
+        batch_size=32,
+        validation_data=(x[:64], y[:64]),
+        verbose=0,
+        callbacks=[AMPMonitor(str(tmp_path)), checkpoint],
+    )
+    losses, accuracies = history.history["val_loss"], history.history["val_accuracy"]
+    nan_epochs = [epoch for epoch, loss in enumerate(losses) if loss == np.inf]
+    assert nan_epochs[0] == 0 and len(nan_epochs) < len(losses)
+    for epoch, accuracy in enumerate(accuracies):
+        assert (accuracy == -np.inf) == (epoch in nan_epochs)
+    assert checkpoint.best == max(a for a in accuracies if np.isfinite(a))
+    records = [r for r in read_jsonl(str(tmp_path)) if r["type"] == "nan_validation"]
+    assert [r["epoch"] for r in records] == nan_epochs
+    assert records[0]["metrics"] == ["val_accuracy", "val_loss"]
+
+
 class StopAfterEpoch(keras.callbacks.Callback):
     """Stop `fit` at the end of epoch `last` (as `EarlyStopping` may)."""
 

@@ -115,13 +115,18 @@ def _metric_directions(model) -> dict:
     return directions
 
 
+def _is_loss(name) -> bool:
+    """Return whether the result `name` is the loss or one output's loss."""
+    return name == "loss" or name.endswith("_loss")
+
+
 def _direction_of(name, directions):
     """Return the direction of the result `name` (`_metric_directions`), or None.
 
     A multi-output model's results carry the output's name before the
     metric's (`"out_accuracy"`) and a number after duplicates (`"mae_1"`).
     """
-    if name == "loss" or name.endswith("_loss"):
+    if _is_loss(name):
         return "down"
     bare = re.sub(r"_\d+$", "", name)
     for candidate in (name, bare):
@@ -379,12 +384,18 @@ class StepRecorder:
         keep the untrained weights. A NaN result whose direction is known
         reads `inf` (loss) or `-inf` (accuracy) instead, which any later
         measured epoch beats; its name is noted for the epoch's warning.
+        A NaN loss means NaN outputs, and the other metrics were measured on
+        them (an argmax of NaN picks class 0: an accuracy as high as class
+        0's share): they read their worst values too.
         """
         directions = _metric_directions(self.model)
+        nan_loss = any(
+            _is_loss(name) and _holds_nan(value) for name, value in results.items()
+        )
         reported = {}
         for name, value in results.items():
             direction = _direction_of(name, directions)
-            if direction is not None and _holds_nan(value):
+            if direction is not None and (nan_loss or _holds_nan(value)):
                 self.nan_validation_metrics.append(name)
                 value = _no_value_like(value, direction)
             reported[name] = value

@@ -413,6 +413,36 @@ def test_an_overflowing_cast_inside_a_nested_model_names_its_layer(tmp_path):
     assert dense.compute_dtype == "float16"
 
 
+def test_an_overflowing_cast_after_a_float32_layer_inside_a_nested_model(tmp_path):
+    # Inside the nested model a float32 layer hands 1e6 to a float16 one,
+    # whose cast overflows: that layer is named (not the nested model, all
+    # of whose layers would go to float32), as it is in a flat model.
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    wide = keras.layers.Dense(
+        8,
+        name="wide",
+        dtype="float32",
+        trainable=False,
+        kernel_initializer=keras.initializers.Constant(3e5),
+    )
+    inner = keras.Sequential(
+        [keras.Input((4,)), wide, keras.layers.Rescaling(1e-6, name="narrow")],
+        name="backbone",
+    )
+    model = keras.Sequential(
+        [keras.Input((4,)), inner, keras.layers.Dense(1, name="head")]
+    )
+    model.compile(LossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse")
+    monitor, history, records = _fit_with_monitor(model, str(tmp_path), epochs=2)
+    forward = [r for r in records if r.get("direction") == "forward"]
+    assert forward and {tuple(r["layers"]) for r in forward} == {("backbone/narrow",)}
+    assert all(r["evidence"].endswith("input_cast") for r in forward)
+    assert monitor.lists.deny_layers == ("backbone/narrow",)
+    assert np.isfinite(history.history["loss"][-1])
+    assert model.get_layer("head").compute_dtype == "float16"
+
+
 def test_a_denial_that_cannot_take_effect_is_said_loudly(tmp_path, caplog):
     # Without `keras.Input` the nested model casts at its boundary, which no
     # dtype policy changes: the denied layer keeps overflowing, and the

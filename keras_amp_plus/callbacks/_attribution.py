@@ -16,12 +16,15 @@ the first layer, in the order the calls finish, whose inputs are finite but
 whose output is not is the one that overflowed: calls finish from the inside
 out, so this is the innermost such layer (MultiHeadAttention itself when its
 attention scores, computed between its sublayers, overflow), or the layer
-inside it whose cast of those inputs overflowed (a nested model's first
-layer: `_cast_overflow_inside`). Layers are
+inside it whose cast of the finite values it was handed overflowed (a nested
+model's first layer, or one after a layer denied to float32:
+`_cast_overflow_inside`). Layers are
 wrapped through an instance attribute restored in `finally`, and non-trainable
 variables (batch norm statistics, seed generator states) are put back after the
 replay, so the replay leaves no trace in the model.
 """
+
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -138,22 +141,72 @@ def _outside_its_policy(layer, outputs) -> bool:
     )
 
 
-def _cast_overflow_inside(inputs, inside):
+class _Entry(NamedTuple):
+    """A layer's call began: its inputs' finiteness, and how many calls had ended."""
+
+    layer: object
+    inputs_finite: bool
+    ends_before: int
+
+
+class _End(NamedTuple):
+    """A layer's call ended: the facts the replay keeps (never its outputs)."""
+
+    layer: object
+    inputs_finite: bool
+    outputs_finite: bool
+    cast_inside: object  # `_cast_overflow_inside`'s layer, or None
+    outside_its_policy: bool
+    largest: float  # the largest magnitude of its floating outputs
+
+
+def _largest_magnitude(structure) -> float:
+    """Return the largest |value| of the floating tensors in `structure`, or 0.0."""
+    largest = 0.0
+    for value in tf.nest.flatten(structure):
+        if isinstance(value, (tf.Tensor, tf.Variable, np.ndarray)):
+            tensor = tf.convert_to_tensor(value)
+            if tensor.dtype.is_floating and tensor.shape.num_elements():
+                largest = max(largest, float(tf.reduce_max(tf.abs(tensor))))
+    return largest
+
+
+def _finite_in(value: float, dtype) -> bool:
+    """Return whether `value` stays finite when cast to `dtype`."""
+    return bool(tf.math.is_finite(tf.cast(tf.constant(value, tf.float64), dtype)))
+
+
+def _cast_overflow_inside(inputs, inside, finished, ends_before):
     """Return the layer called inside a container that overflowed casting its inputs.
 
-    A nested model hands its finite float32 inputs to its first layer, whose
-    cast to float16 overflows: the container's output is the first
-    non-finite output, but the layer is to blame. That is the first layer
-    called inside (`inside`: `(layer, inputs finite)` in call order) when its
-    inputs were not finite and the container's own inputs, cast to that
-    layer's compute dtype, are not finite either; else None (the values went
-    bad between the layers, as attention scores inside `MultiHeadAttention`
-    do: the container is to blame).
+    A nested model hands finite float32 values to a layer whose cast to
+    float16 overflows: its own inputs (a float32 model input, or the output
+    of a layer denied to float32 before it) are finite, so the container's
+    output is the first non-finite output, but the layer is to blame. That
+    is the first layer called inside (`inside`: `_Entry`s in call order)
+    whose inputs were not finite, when the values it was handed overflow
+    its compute dtype: the container's own inputs, if no call inside had
+    ended before it began, else the finite output of a call that had ended
+    inside (`finished`: the `_End`s in order, those of calls inside the
+    container from index `ends_before`, the count when it began).
+    Otherwise None: the values went bad between the layers, as attention
+    scores inside `MultiHeadAttention` do, and the container is to blame.
     """
-    if not inside or inside[0][1]:
+    entry = next((entry for entry in inside if not entry.inputs_finite), None)
+    if entry is None:
         return None
-    layer = inside[0][0]
-    dtype = tf.as_dtype(layer.compute_dtype)
+    dtype = tf.as_dtype(entry.layer.compute_dtype)
+    handed = finished[ends_before : entry.ends_before]
+    if not handed:
+        return None if _all_finite(_cast_floats(inputs, dtype)) else entry.layer
+    overflowing = any(
+        end.outputs_finite and not _finite_in(end.largest, dtype) for end in handed
+    )
+    return entry.layer if overflowing else None
+
+
+def _cast_floats(structure, dtype):
+    """Return `structure` with its floating tensors cast to `dtype`."""
 
     def cast(value):
         if isinstance(value, (tf.Tensor, tf.Variable, np.ndarray)):
@@ -162,7 +215,7 @@ def _cast_overflow_inside(inputs, inside):
                 return tf.cast(tensor, dtype)
         return value
 
-    return None if _all_finite(tf.nest.map_structure(cast, inputs)) else layer
+    return tf.nest.map_structure(cast, structure)
 
 
 def find_forward_overflow(model, data, layers, name=None) -> dict:
@@ -195,22 +248,24 @@ def find_forward_overflow(model, data, layers, name=None) -> dict:
 
         def probed_call(*args, **kwargs):
             inputs_finite = _all_finite((args, kwargs))
-            first_inside = len(entered) + 1
-            entered.append((layer, inputs_finite))
+            first_inside, ends_before = len(entered) + 1, len(finished)
+            entered.append(_Entry(layer, inputs_finite, ends_before))
             outputs = original(*args, **kwargs)
             cast_inside = None
             if inputs_finite:
                 cast_inside = _cast_overflow_inside(
-                    (args, kwargs), entered[first_inside:]
+                    (args, kwargs), entered[first_inside:], finished, ends_before
                 )
+            outputs_finite = _all_finite(outputs)
             # Facts only: keeping the outputs would hold every activation.
             finished.append(
-                (
+                _End(
                     layer,
                     inputs_finite,
-                    _all_finite(outputs),
+                    outputs_finite,
                     cast_inside,
                     _outside_its_policy(layer, outputs),
+                    _largest_magnitude(outputs) if outputs_finite else np.inf,
                 )
             )
             return outputs
@@ -233,19 +288,19 @@ def find_forward_overflow(model, data, layers, name=None) -> dict:
             model.non_trainable_variables, saved_state, strict=True
         ):
             variable.assign(value)
-    for layer, inputs_finite, outputs_finite, cast_inside, outside in finished:
-        if inputs_finite and not outputs_finite:
-            if cast_inside is not None:
-                return {"layer": name(cast_inside), "reason": "input_cast"}
-            path = name(layer)
-            if not _all_finite([tf.convert_to_tensor(w) for w in layer.weights]):
+    for end in finished:
+        if end.inputs_finite and not end.outputs_finite:
+            if end.cast_inside is not None:
+                return {"layer": name(end.cast_inside), "reason": "input_cast"}
+            path = name(end.layer)
+            if not _all_finite([tf.convert_to_tensor(w) for w in end.layer.weights]):
                 # Weights already broken by an earlier unguarded update: the
                 # replay cannot tell where the overflow began.
                 return {"layer": None, "reason": f"non-finite weights in {path}"}
-            if outside:
+            if end.outside_its_policy:
                 return {"layer": path, "reason": OUTPUT_OUTSIDE_ITS_POLICY}
             return {"layer": path, "reason": "output"}
-    for layer, inputs_finite in entered:
-        if not inputs_finite:
-            return {"layer": name(layer), "reason": "input_cast"}
+    for entry in entered:
+        if not entry.inputs_finite:
+            return {"layer": name(entry.layer), "reason": "input_cast"}
     return {"layer": None, "reason": "not_reproduced"}

@@ -199,3 +199,62 @@ def test_apply_of_no_gradients_is_a_no_op_and_a_short_list_is_named():
         optimizer.apply([tf.ones(2)])
     assert int(optimizer.total_steps.numpy()) == 0  # raised before counting
     np.testing.assert_array_equal(variables[0].numpy(), [1.0, 2.0])
+
+
+class CustomStepNet(keras.Model):
+    """Keras 3's custom `train_step` pattern, with or without `scale_loss`."""
+
+    def __init__(self, scales_loss, **kwargs):
+        super().__init__(**kwargs)
+        self.scales_loss = scales_loss
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+            scaled = self.optimizer.scale_loss(loss) if self.scales_loss else loss
+        grads = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("scales_loss", [False, True])
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_gradients_of_a_loss_scale_loss_never_saw_are_said_once(
+    scales_loss, run_eagerly
+):
+    # `apply` divides by the scale: gradients of the unscaled loss would move
+    # the weights 32768 times too little without any other sign.
+    x, y = regression_data()
+    model = CustomStepNet(scales_loss)
+    model.compile(
+        LossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse", run_eagerly=run_eagerly
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    said = [w for w in caught if "scale_loss(loss)" in str(w.message)]
+    assert len(said) == (0 if scales_loss else 1)
+    if said:
+        assert "(32768 at the start)" in str(said[0].message)
+        assert "Received: gradients of a loss" in str(said[0].message)
+
+
+def test_keras_train_step_and_the_guard_are_not_said_to_skip_scale_loss():
+    x, y = regression_data()
+    for optimizer, model in (
+        (
+            LossScaleOptimizer(keras.optimizers.SGD(0.01)),
+            keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)]),
+        ),
+        (LossScaleOptimizer.guard(keras.optimizers.SGD(0.01)), CustomStepNet(False)),
+    ):
+        model.compile(optimizer, "mse")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+        assert not [w for w in caught if "scale_loss(loss)" in str(w.message)]

@@ -15,6 +15,8 @@ Three ways to run, like Keras's own scaler:
   all-reduced so every replica takes the same branch.
 """
 
+import warnings
+
 import tensorflow as tf
 
 from keras_amp_plus import _compat
@@ -230,6 +232,37 @@ def _check_not_xla_over_replicas() -> None:
     )
 
 
+LOSS_NOT_SCALED = (
+    "`LossScaleOptimizer.apply()` received gradients in a step whose loss never "
+    "went through `optimizer.scale_loss(loss)`. `apply` divides every gradient "
+    "by the loss scale ({scale:g} at the start), so gradients of the unscaled loss "
+    "update the weights that many times too little, without any other sign. "
+    "In a custom `train_step` or training loop, differentiate "
+    "`scaled_loss = self.optimizer.scale_loss(loss)` (inside the tape), as "
+    "Keras's own train step does. Received: gradients of a loss "
+    "`scale_loss` did not see in this step"
+)
+
+
+def _warn_once_unscaled_loss(optimizer) -> None:
+    """Warn (once per optimizer) that `apply` may get gradients of an unscaled loss.
+
+    Decided where the step is traced (or run eagerly), so it costs no step
+    time. Not where the gradients are not divided: in guard mode, and from
+    Keras 2's `apply_gradients`, whose contract takes unscaled gradients.
+    """
+    if optimizer.min_scale == optimizer.max_scale == 1.0:
+        return
+    if getattr(optimizer, "gradients_unscaled_by_caller", False):
+        return
+    if getattr(optimizer, "_unscaled_loss_said", False):
+        return
+    optimizer._unscaled_loss_said = True
+    # Its first trace builds the scale variable: its value is not readable yet.
+    scale = optimizer.initial_scale
+    warnings.warn(LOSS_NOT_SCALED.format(scale=scale), UserWarning, stacklevel=4)
+
+
 def apply_step(optimizer, grads, trainable_variables=None) -> None:
     """Run one scaler step from replica context (what `apply()` is called in)."""
     if tf.distribute.in_cross_replica_context():
@@ -257,6 +290,8 @@ def apply_step(optimizer, grads, trainable_variables=None) -> None:
             f"Received: {len(grads)} gradients, {len(variables)} variables"
         )
     positions = optimizer._tracked.positions(variables)
+    if not optimizer._loss_watch.saw_loss():
+        _warn_once_unscaled_loss(optimizer)
     # Finite, non-finite or not seen (a custom step that never scaled it);
     # the codes are ordered so that the largest over replicas is the answer.
     loss_state = optimizer._loss_watch.take()

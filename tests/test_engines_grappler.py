@@ -102,7 +102,7 @@ def test_restore_puts_variables_and_option_back_exactly(
     engine = GrapplerEngine()
     engine.apply(_model(), PrecisionLists(deny_ops=("MatMul",)))
     assert os.environ[DENY_ADD] == "Pow,MatMul"  # the user's entry is kept
-    assert os.environ[ALLOW_REMOVE] == "MatMul"  # paired with the ADD
+    assert os.environ[ALLOW_REMOVE] == "MatMul,Pow"  # each ADD paired with REMOVEs
     assert engine.dump_dir == os.path.join(str(user_dir), "apply_001")
     assert os.environ[LOG_PATH_VARIABLE] == engine.dump_dir
     assert tf.config.optimizer.get_experimental_options()[GRAPPLER_OPTION] is True
@@ -111,6 +111,37 @@ def test_restore_puts_variables_and_option_back_exactly(
     assert {name: os.environ.get(name) for name in TOUCHED_VARIABLES} == environment
     assert tf.config.optimizer.get_experimental_options() == options
     engine.restore()  # a second restore changes nothing
+    assert tf.config.optimizer.get_experimental_options() == options
+
+
+@pytest.mark.parametrize("op_type", ["Mean", "MatMul"])
+def test_the_users_own_add_is_paired_and_the_rewrite_still_runs(
+    op_type, monkeypatch, tmp_path
+):
+    # Alone, an ADD leaves the op type in its default list too: grappler
+    # then skips the whole rewrite ("Op lists have conflicting entries").
+    monkeypatch.setenv(DENY_ADD, op_type)
+    engine = GrapplerEngine(log_dir=str(tmp_path))
+    model = _model()
+    engine.apply(model, PrecisionLists(deny_ops=("Softmax",)))
+    _fit_one_step(model)
+    converted, lists, total = _converted(model, engine)
+    engine.restore()
+    assert total > 0 and converted["Conv2D"] == 1
+    assert op_type in lists["deny"]
+    assert ("MatMul" in converted) == (op_type != "MatMul")
+    assert os.environ[DENY_ADD] == op_type
+
+
+def test_a_misspelt_op_type_in_the_users_variables_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv(DENY_ADD, "Matmul")
+    environment = {name: os.environ.get(name) for name in TOUCHED_VARIABLES}
+    options = tf.config.optimizer.get_experimental_options()
+    engine = GrapplerEngine(log_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"'Matmul'.*Did you mean MatMul") as info:
+        engine.apply(_model(), PrecisionLists())
+    assert f"{DENY_ADD}': 'Matmul'" in str(info.value)
+    assert {name: os.environ.get(name) for name in TOUCHED_VARIABLES} == environment
     assert tf.config.optimizer.get_experimental_options() == options
 
 

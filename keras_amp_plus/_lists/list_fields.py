@@ -65,6 +65,42 @@ def merge_list_fields(base, placements) -> dict:
     return {field: ",".join(names) for field, names in fields.items()}
 
 
+def without_conflicts(fields) -> dict:
+    """Pair every op type ADDed to a list with REMOVEs from the three others.
+
+    `merge_list_fields` does this for the op types it places; this also covers
+    op types the user's own variables or ITEX config ADD (the default lists
+    could hold them elsewhere, and grappler and ITEX then skip the whole
+    rewrite). An op type ADDed to two lists is an error: it would leave the
+    whole graph float32.
+
+    Example:
+    >>> fields = without_conflicts({"denylist_add": "Pow"})
+    >>> fields["allowlist_remove"], fields["inferlist_remove"]
+    ('Pow', 'Pow')
+    """
+    names = {field: split_op_types(fields.get(field)) for field in FIELD_NAMES}
+    added = {}
+    for target in LIST_NAMES:
+        for op_type in names[f"{target}list_add"]:
+            if op_type in added:
+                raise ValueError(
+                    f"Op type {op_type!r} is added to two lists ({added[op_type]} "
+                    f"and {target}); the rewrite would then be skipped. Keep "
+                    f"it in one list. Received: {added[op_type]}list_add and "
+                    f"{target}list_add both hold {op_type!r}"
+                )
+            added[op_type] = target
+    for op_type, target in added.items():
+        for name in LIST_NAMES:
+            removed = names[f"{name}list_remove"]
+            if name == target and op_type in removed:
+                removed.remove(op_type)
+            elif name != target and op_type not in removed:
+                removed.append(op_type)
+    return {field: ",".join(values) for field, values in names.items()}
+
+
 def _layer_placements(model, lists, decisions) -> dict:
     """Translate layer decisions to op types: deny wins over allow."""
     placements = {}

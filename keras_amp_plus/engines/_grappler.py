@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 import weakref
 
 import keras
@@ -38,6 +39,7 @@ from keras_amp_plus._lists.list_fields import (
     FIELD_NAMES,
     merge_list_fields,
     op_placements,
+    without_conflicts,
 )
 from keras_amp_plus._lists.precision_lists import PrecisionLists, as_precision_lists
 from keras_amp_plus.engines._base import (
@@ -129,6 +131,23 @@ def put_back_global_state(environment: dict, options: dict) -> None:
 
 # The grappler engines applied and not yet restored, with the state each replaced.
 _applied_engines = GlobalStateStack()
+
+
+def check_user_variables(base) -> None:
+    """Raise a ValueError for list variables the user set that grappler would drop.
+
+    A misspelt op type is ignored by grappler (the user's placement is lost)
+    and one ADDed to two lists makes it skip the whole rewrite: both read
+    as `PrecisionLists.from_env` reads them, whose error names the fix.
+
+    Args:
+        base: `{field: value or None}`, the user's variables by list field.
+    """
+    environ = {list_variable(field): value for field, value in base.items() if value}
+    with warnings.catch_warnings():
+        # A REMOVE without an ADD elsewhere is honoured here: no warning.
+        warnings.simplefilter("ignore", UserWarning)
+        PrecisionLists.from_env(environ)
 
 
 class GrapplerEngine(Engine):
@@ -246,9 +265,13 @@ class GrapplerEngine(Engine):
         before = capture_global_state()
         saved = _applied_engines.original(before)[0]  # the user's variables
         base = {f: saved[list_variable(f)] for f in FIELD_NAMES}
+        check_user_variables(base)
+        # The user's own ADDs are paired with REMOVEs too: grappler skips the
+        # whole rewrite for an op type left in its default list as well.
+        fields = without_conflicts(merge_list_fields(base, placements))
         variables = {
             list_variable(field): value if value or base[field] is not None else None
-            for field, value in merge_list_fields(base, placements).items()
+            for field, value in fields.items()
         }
         current = self._built.is_current(model, variables) and (
             not self.dump_graphs or os.path.isdir(self.dump_dir or "")

@@ -30,10 +30,9 @@ from keras_amp_plus import _itex_probe as itex_probe
 from keras_amp_plus._arguments import require_model
 from keras_amp_plus._lists.list_fields import (
     FIELD_NAMES,
-    LIST_NAMES,
     merge_list_fields,
     op_placements,
-    split_op_types,
+    without_conflicts,
 )
 from keras_amp_plus._lists.precision_lists import PrecisionLists, as_precision_lists
 from keras_amp_plus.engines import _itex_log as itex_log
@@ -109,41 +108,6 @@ def itex_list_fields(current_fields, placements, environ=None) -> dict:
         for field in FIELD_NAMES
     }
     return without_conflicts(merge_list_fields(base, placements))
-
-
-def without_conflicts(fields) -> dict:
-    """Pair every op type ADDed to a list with REMOVEs from the three others.
-
-    `merge_list_fields` does this for the op types it places; this also covers
-    op types the user's own config ADDs (ITEX's default lists could hold them
-    elsewhere). An op type ADDed to two lists is an error: it would leave the
-    whole graph float32.
-
-    Example:
-    >>> fields = without_conflicts({"denylist_add": "Pow"})
-    >>> fields["allowlist_remove"], fields["inferlist_remove"]
-    ('Pow', 'Pow')
-    """
-    names = {field: split_op_types(fields.get(field)) for field in FIELD_NAMES}
-    added = {}
-    for target in LIST_NAMES:
-        for op_type in names[f"{target}list_add"]:
-            if op_type in added:
-                raise ValueError(
-                    f"Op type {op_type!r} is added to two ITEX lists ({added[op_type]} "
-                    f"and {target}); ITEX would then skip the whole rewrite. Keep "
-                    f"it in one list. Received: {added[op_type]}list_add and "
-                    f"{target}list_add both hold {op_type!r}"
-                )
-            added[op_type] = target
-    for op_type, target in added.items():
-        for name in LIST_NAMES:
-            removed = names[f"{name}list_remove"]
-            if name == target and op_type in removed:
-                removed.remove(op_type)
-            elif name != target and op_type not in removed:
-                removed.append(op_type)
-    return {field: ",".join(values) for field, values in names.items()}
 
 
 def with_fused_variants(placements) -> dict:

@@ -268,6 +268,21 @@ def reads_weights_in_compute_dtype(layer) -> bool:
     return not floats or any(isinstance(w, AutoCastVariable) for w in floats)
 
 
+def uncast_consumers(layer) -> list:
+    """Return the layers `layer`'s outputs feed that cast no inputs (Keras 3: none).
+
+    Keras 2 turns `+`, `*` and `tf.*` calls on a functional model's tensors
+    into `TFOpLambda` layers built with `autocast=False`: handed a float32
+    and a 16-bit tensor, they fail the step. Keras 3's operations promote.
+    """
+    if IS_KERAS_3:
+        return []
+    # Keras 2's functional graph and autocast flag, both private: the one way
+    # to find such layers before a step fails on them.
+    consumers = (node.outbound_layer for node in getattr(layer, "_outbound_nodes", ()))
+    return [c for c in consumers if not getattr(c, "_autocast", True)]
+
+
 _SELF_CASTING_PACKAGES = ("keras_amp_plus.", "intel_extension_for_tensorflow.")
 
 

@@ -111,8 +111,11 @@ def test_the_users_config_is_the_starting_point():
 
 
 def test_denying_a_layer_warns_of_the_other_layers_its_op_types_reach():
+    # Built outside: after `set_random_seed`, Keras 2 seeds each new layer
+    # by `random.randint(1, 1e9)`, a DeprecationWarning on Python 3.11.
+    model = _model()
     with pytest.warns(UserWarning) as record:
-        op_placements(_model(), PrecisionLists(deny_layers=("head",)))
+        op_placements(model, PrecisionLists(deny_layers=("head",)))
     message = str(record[0].message)
     dense_ops = "MatMul, BatchMatMulV2, BiasAdd, BiasAddGrad"
     assert f"run these ops in float32 too: d1 ({dense_ops})." in message
@@ -133,9 +136,10 @@ def test_denying_a_layer_warns_of_the_other_layers_its_op_types_reach():
     ids=["unshared", "allowed_outright", "denied_outright"],
 )
 def test_denying_a_layer_warns_of_nothing_else_when_nothing_else_is_denied(lists):
+    model = _model()  # outside, as above
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        op_placements(_model(), lists)
+        op_placements(model, lists)
 
 
 def test_merge_rejects_an_unknown_list():

@@ -459,3 +459,44 @@ def test_keras_2_layers_that_skip_autocasting_move_back_to_16_bits(caplog):
     assert not [m for m in caplog.messages if "stays in float32" in m]
     outputs = model(np.arange(12).reshape(2, 6) % 10, training=True)
     assert np.isfinite(np.asarray(outputs, "float32")).all()
+
+
+@pytest.mark.parametrize("residual", ["plus", "add_layer"])
+def test_a_layer_feeding_a_keras_2_op_layer_keeps_its_precision(
+    residual, tmp_path, caplog
+):
+    # Keras 2 makes `h + r` a TFOpLambda that casts no inputs: `embed` in
+    # float32 beside float16 `res` failed the next step and left the model
+    # unable to predict. It stays in float16 and the fix is said; written
+    # as `keras.layers.Add()`, which casts, the denial takes effect.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, name="embed")(inputs)
+    skipped = keras.layers.Dense(16, name="res")(hidden)
+    if residual == "plus":
+        hidden = hidden + skipped
+    else:
+        hidden = keras.layers.Add()([hidden, skipped])
+    outputs = keras.layers.Dense(2, dtype="float32", name="head")(hidden)
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        kap.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    x[:, 0] = 7e4  # beyond float16's range: `embed` overflows
+    y = np.zeros(64, "int64")
+    monitor = kap.AMPMonitor(str(tmp_path))
+    with caplog.at_level("WARNING", logger="keras_amp_plus"):
+        model.fit(x, y, epochs=2, batch_size=32, verbose=0, callbacks=[monitor])
+    # (`Add` may follow: its cast of `embed`'s float32 outputs can overflow.)
+    assert monitor.lists.deny_layers[0] == "embed"
+    said = [m for m in caplog.messages if "cast no inputs" in m]
+    if residual == "plus":
+        assert model.get_layer("embed").compute_dtype == "float16"
+        assert len(said) == 1 and "'tf.__operators__.add'" in said[0]
+        assert "keras.layers.Add()" in said[0]
+    else:
+        assert model.get_layer("embed").compute_dtype == "float32"
+        assert not said
+    assert model.predict(x[:4], verbose=0).shape == (4, 2)

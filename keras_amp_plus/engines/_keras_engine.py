@@ -47,6 +47,14 @@ KEPT_IN_FLOAT32 = (
     "(`tf.keras.mixed_precision.set_global_policy`) and give the layer "
     "`dtype='float32'` only where it must stay in float32."
 )
+KEPT_FOR_UNCAST_CONSUMERS = (
+    "keras_amp_plus: layer %r stays in %s although its lists move it: on "
+    "Keras 2 its outputs feed %s, which cast no inputs (a `+`, `*` or `tf.*` "
+    "call in a functional model becomes such a layer), and a float32 tensor "
+    "meeting a 16-bit one there fails the step. Write the operation as a "
+    "Keras layer (`keras.layers.Add()`, `Multiply()`, `Concatenate()`), "
+    "which casts its inputs, to let the layer change precision."
+)
 _LOW_PRECISION = ("bfloat16", "float16")
 
 
@@ -163,6 +171,8 @@ class KerasEngine(Engine):
                     # (Conv2D) would fail in float32. It stays as it is (the
                     # monitor says so: `_checks.policy_out_of_reach`).
                     policy = original
+                if policy.compute_dtype != layer.dtype_policy.compute_dtype:
+                    policy = self._kept_for_uncast_consumers(layer, policy)
                 changed |= self._set_policy(layer, policy)
             elif id(layer) in self._original_policies:
                 _, original = self._original_policies.pop(id(layer))
@@ -193,6 +203,19 @@ class KerasEngine(Engine):
         if id(layer) not in self._kept_layers:
             self._kept_layers.add(id(layer))
             logger.warning(KEPT_IN_FLOAT32, layer.name)
+        return layer.dtype_policy
+
+    def _kept_for_uncast_consumers(self, layer, policy):
+        """Return `policy`, or `layer`'s own where a Keras 2 op layer would fail."""
+        consumers = _compat.uncast_consumers(layer)
+        if not consumers:
+            return policy
+        if id(layer) not in self._kept_layers:
+            self._kept_layers.add(id(layer))
+            names = ", ".join(repr(consumer.name) for consumer in consumers)
+            logger.warning(
+                KEPT_FOR_UNCAST_CONSUMERS, layer.name, layer.compute_dtype, names
+            )
         return layer.dtype_policy
 
     @staticmethod

@@ -694,9 +694,18 @@ def metric_direction(metric) -> str | None:
 
     Keras 3's metrics carry it in the private `_direction` (what Keras's own
     `EarlyStopping` and `ModelCheckpoint` read, so the one place to learn
-    it); Keras 2's do not: None.
+    it). Keras 2's callbacks guess it from the name in `mode="auto"`, each
+    its own way: the direction both guess, else None.
     """
-    return getattr(metric, "_direction", None)
+    if IS_KERAS_3:
+        return getattr(metric, "_direction", None)
+    name = metric.name
+    # Keras 2.15's `EarlyStopping` and `ModelCheckpoint`, `mode="auto"`.
+    up_to_early_stopping = "acc" in name or name.startswith("fmeasure")
+    up_to_checkpoint = name.endswith(("acc", "accuracy", "auc"))
+    if up_to_early_stopping == up_to_checkpoint:
+        return "up" if up_to_checkpoint else "down"
+    return None
 
 
 def optimizer_built(optimizer) -> bool:

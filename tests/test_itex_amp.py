@@ -500,3 +500,41 @@ def test_a_layer_feeding_a_keras_2_op_layer_keeps_its_precision(
         assert model.get_layer("embed").compute_dtype == "float32"
         assert not said
     assert model.predict(x[:4], verbose=0).shape == (4, 2)
+
+
+def test_keras_2_accuracies_of_skipped_epochs_and_nan_outputs_read_minus_inf(tmp_path):
+    # Keras 2's metrics carry no direction; its callbacks guess it from the
+    # name ("accuracy": up). Every step of epoch 0 overflows in `embed`, and
+    # its validation runs on NaN outputs (argmax 0, these labels: 1.0).
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, name="embed"),
+            keras.layers.Dense(2, dtype="float32", name="head"),
+        ]
+    )
+    model.compile(
+        kap.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy", keras.metrics.SparseCategoricalAccuracy(name="sparse_acc")],
+    )
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    x[:, 0] = 7e4
+    y = np.zeros(64, "int64")
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "best.keras"), monitor="val_accuracy", save_best_only=True
+    )
+    history = model.fit(
+        x,
+        y,
+        epochs=2,
+        batch_size=32,
+        verbose=0,
+        validation_data=(x, y),
+        callbacks=[kap.AMPMonitor(str(tmp_path)), checkpoint],
+    ).history
+    assert history["loss"][0] == history["val_loss"][0] == np.inf
+    for name in ("accuracy", "sparse_acc", "val_accuracy", "val_sparse_acc"):
+        assert history[name][0] == -np.inf and np.isfinite(history[name][1])
+    assert checkpoint.best == history["val_accuracy"][1]

@@ -386,7 +386,8 @@ class StepRecorder:
         measured epoch beats; its name is noted for the epoch's warning.
         A NaN loss means NaN outputs, and the other metrics were measured on
         them (an argmax of NaN picks class 0: an accuracy as high as class
-        0's share): they read their worst values too.
+        0's share): they read their worst values too (NaN where the
+        direction is unknown).
         """
         directions = _metric_directions(self.model)
         nan_loss = any(
@@ -395,7 +396,8 @@ class StepRecorder:
         reported = {}
         for name, value in results.items():
             direction = _direction_of(name, directions)
-            if direction is not None and (nan_loss or _holds_nan(value)):
+            # Measured on NaN outputs, a metric of unknown direction reads NaN.
+            if (direction is not None and _holds_nan(value)) or nan_loss:
                 self.nan_validation_metrics.append(name)
                 value = _no_value_like(value, direction)
             reported[name] = value

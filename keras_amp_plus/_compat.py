@@ -277,10 +277,14 @@ def uncast_consumers(layer) -> list:
     """
     if IS_KERAS_3:
         return []
-    # Keras 2's functional graph and autocast flag, both private: the one way
-    # to find such layers before a step fails on them.
+    # Keras 2's functional graph, private: the one way to find such layers
+    # before a step fails on them. Other layers built without autocasting
+    # (this package's normalizations) cast their inputs themselves.
     consumers = (node.outbound_layer for node in getattr(layer, "_outbound_nodes", ()))
-    return [c for c in consumers if not getattr(c, "_autocast", True)]
+    return [c for c in consumers if type(c).__module__ == _KERAS_2_OP_LAYERS]
+
+
+_KERAS_2_OP_LAYERS = "keras.src.layers.core.tf_op_layer"
 
 
 _SELF_CASTING_PACKAGES = ("keras_amp_plus.", "intel_extension_for_tensorflow.")
@@ -687,6 +691,17 @@ def is_keras_tensor(x) -> bool:
         return keras.backend.is_keras_tensor(x)
     except ValueError:
         return False
+
+
+def count_skipped_step(optimizer) -> None:
+    """Count a skipped step in `iterations` where Keras's own scaler does (Keras 2).
+
+    Keras 2's `LossScaleOptimizerV3` adds one to the inner optimizer's
+    `iterations` on a skipped step, so learning-rate schedules and Adam's
+    bias correction count it; Keras 3's leaves `iterations` as it is.
+    """
+    if not IS_KERAS_3:
+        optimizer.inner_optimizer.iterations.assign_add(1, read_value=False)
 
 
 def metric_direction(metric) -> str | None:

@@ -517,7 +517,10 @@ def test_keras_2_accuracies_of_skipped_epochs_and_nan_outputs_read_minus_inf(tmp
     model.compile(
         kap.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy", keras.metrics.SparseCategoricalAccuracy(name="sparse_acc")],
+        metrics=[
+            "accuracy",
+            keras.metrics.SparseCategoricalAccuracy(name="sparse_acc"),
+        ],
     )
     x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
     x[:, 0] = 7e4

@@ -59,7 +59,8 @@ def test_state_machine_step_by_step():
     assert summary["overflow_count"] == 1 and summary["inf_steps"] == 1
     assert summary["loss_scale"] == 4.0 and summary["last_step_skipped"]
     assert float(variable.numpy()[0]) == 1.0
-    assert int(optimizer.iterations.numpy()) == 0  # a skipped step is no step
+    # A skipped step is no step (Keras 2's scaler counts it: so does ours there).
+    assert int(optimizer.iterations.numpy()) == (0 if _compat.IS_KERAS_3 else 1)
     # NaN at the floor's doorstep: 4 -> 2 (the floor), then stays at 2.
     optimizer.apply([tf.constant([float("nan")])], [variable])
     with pytest.warns(UserWarning, match="already at its floor"):
@@ -72,7 +73,7 @@ def test_state_machine_step_by_step():
     optimizer.apply([tf.constant([4.0])], [variable])
     summary = optimizer.overflow_summary()
     assert summary["loss_scale"] == 8.0 and not summary["last_step_skipped"]
-    assert int(optimizer.iterations.numpy()) == 2
+    assert int(optimizer.iterations.numpy()) == (2 if _compat.IS_KERAS_3 else 5)
     assert int(optimizer.total_steps.numpy()) == 5
     events = optimizer.read_events()
     assert [e["step"] for e in events] == [1, 2, 3]
@@ -391,3 +392,34 @@ def test_float16_variables_train_at_scales_beyond_float16_as_keras_scaler(loop):
         assert int(optimizer.iterations.numpy()) == 1  # applied, not skipped
         kernels.append(model.layers[0].kernel.numpy())
     np.testing.assert_array_equal(kernels[0], kernels[1])
+
+
+@pytest.mark.itex
+def test_keras_2_skipped_steps_count_in_iterations_as_keras_2s_scaler():
+    # Keras 2's scaler adds one to `iterations` on a skipped step: Adam's
+    # bias correction and learning-rate schedules count it, so the weights
+    # after an overflow match Keras's run only if ours counts it too.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x = np.random.default_rng(0).normal(size=(128, 8)).astype("float32")
+    x[32:64, 0] = 7e4  # batch 1 of each epoch overflows
+    y = (x[:, 1] > 0).astype("int64")
+    results = []
+    for make in (keras.mixed_precision.LossScaleOptimizer, LossScaleOptimizer):
+        tf.keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16),
+                keras.layers.Dense(2, dtype="float32"),
+            ]
+        )
+        optimizer = make(keras.optimizers.Adam(1e-2))
+        model.compile(
+            optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        model.fit(x, y, epochs=2, batch_size=32, shuffle=False, verbose=0)
+        results.append((int(optimizer.iterations), model.get_weights()))
+    (keras_iterations, keras_weights), (our_iterations, our_weights) = results
+    assert our_iterations == keras_iterations == 8
+    for ours, theirs in zip(our_weights, keras_weights, strict=True):
+        np.testing.assert_array_equal(ours, theirs)

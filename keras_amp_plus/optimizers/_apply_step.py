@@ -77,6 +77,7 @@ def _finish_step(optimizer, flags, apply_fn, has_nan_fn, loss_state):
             loss_state,
         )
         _scale_schedule.act_at_floor(optimizer, step, scale_before)
+        _compat.count_skipped_step(optimizer)
 
     tf.cond(finite, apply_branch, skip_branch)
 

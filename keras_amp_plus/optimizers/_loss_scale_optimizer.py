@@ -41,7 +41,8 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
     pay for it; the values equal the inner optimizer's to float32 rounding.
 
     A skipped step leaves the weights and the inner optimizer's slots and
-    `iterations` untouched. Unlike DeepSpeed/Megatron, whose hysteresis stays
+    `iterations` untouched (on Keras 2 it adds one to `iterations`, as Keras
+    2's scaler does). Unlike DeepSpeed/Megatron, whose hysteresis stays
     spent after the first backoff, the overflow count restarts after every
     backoff, so each backoff takes `hysteresis` overflows.
 

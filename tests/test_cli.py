@@ -113,6 +113,14 @@ def test_unusable_keras_backend_exits_non_zero():
     assert "keras_amp_plus doctor: CPU: {" in completed.stderr
 
 
+def test_demo_on_an_unusable_keras_backend_says_so_without_a_traceback():
+    completed = _run_module("demo", "--quick", env_updates={"KERAS_BACKEND": "numpy"})
+    assert completed.returncode == 1
+    assert completed.stdout == ""
+    assert "Traceback" not in completed.stderr
+    assert "keras_amp_plus demo: Keras" in completed.stderr
+
+
 def test_demo_data_is_learnable_and_reproducible():
     inputs, labels = demo.make_data(samples=256, seed=3)
     again_inputs, again_labels = demo.make_data(samples=256, seed=3)

@@ -14,6 +14,7 @@ report a wrong backend or a broken install.
 import argparse
 import math
 import os
+import sys
 
 
 def _number(text: str, kind):
@@ -109,10 +110,15 @@ def main(argv: list | None = None) -> int:
         argv: arguments without the program name. Defaults to `sys.argv[1:]`.
     """
     args = build_parser().parse_args(argv)
-    if args.command == "doctor":
-        from keras_amp_plus.cli import _doctor as doctor
+    from keras_amp_plus.cli import _doctor as doctor
 
+    if args.command == "doctor":
         return doctor.main(json_output=args.json, probe_seconds=args.probe_seconds)
+    problems = doctor.stack_problems()  # said as the doctor says them, no traceback
+    for problem in problems:
+        print(f"keras_amp_plus demo: {problem}", file=sys.stderr)
+    if problems:
+        return 1
     from keras_amp_plus.cli import _demo as demo
 
     return demo.main(log_dir=args.log_dir, epochs=args.epochs, quick=args.quick)

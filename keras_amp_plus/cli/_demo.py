@@ -19,6 +19,7 @@ each run leaves TensorBoard logs in `<log_dir>/<policy>/`.
 
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -331,7 +332,8 @@ def main(log_dir: str = "logs/demo", epochs: int | None = None, quick=False) -> 
     x_test, y_test = make_data(TEST_SAMPLES, seed=1)
     data = {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
     advice = bfloat16_advice()
-    print(f"keras_amp_plus demo: {epochs} epochs per run, logs in {log_dir}")
+    unit = "epoch" if epochs == 1 else "epochs"
+    print(f"keras_amp_plus demo: {epochs} {unit} per run, logs in {log_dir}")
     print(f"low-precision check (as in `doctor`): {advice['summary']}")
     for warning in advice["warnings"]:
         print(f"  warning: {warning}")
@@ -347,5 +349,5 @@ def main(log_dir: str = "logs/demo", epochs: int | None = None, quick=False) -> 
         "excluded, skipped steps included); test loss and accuracy on held-out "
         "data; overflows: events AMPMonitor logged, each a skipped step."
     )
-    print(f"\nNext: tensorboard --logdir {log_dir}")
+    print(f"\nNext: tensorboard --logdir {shlex.quote(log_dir)}")
     return 0

@@ -182,3 +182,25 @@ def test_without_center_or_scale_matches_float64(name, center, scale):
             "weight gradient",
             64,
         )
+
+
+@pytest.mark.parametrize("name", ["LayerNormalization", "InstanceNormalization"])
+def test_eager_calls_on_inputs_far_from_zero_match_float64(name):
+    # float32 inputs about 1e5 (ulp 0.008) with a standard deviation of 1:
+    # a mean rounded to float32 would shift every output by its rounding.
+    rng = np.random.default_rng(0)
+    shape, axes = (
+        ((4, 6, 64), (-1,))
+        if name == "LayerNormalization"
+        else (
+            (2, 8, 8, 4),
+            (1, 2),
+        )
+    )
+    x = (1e5 + rng.normal(size=shape)).astype("float32")
+    wide = x.astype("float64")
+    mean = wide.mean(axes, keepdims=True)
+    expected = (wide - mean) / np.sqrt(wide.var(axes, keepdims=True) + 1e-3)
+    layer = getattr(layers, name)(epsilon=1e-3)
+    outputs = np.asarray(layer(tf.constant(x)), "float64")
+    np.testing.assert_allclose(outputs, expected, atol=1e-4)

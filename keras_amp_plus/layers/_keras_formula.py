@@ -91,10 +91,12 @@ def normalize_centered(x, gamma, beta, epsilon, stat_axes, output_dtype):
     """Return `(x - mean) * rsqrt(variance + epsilon) * gamma + beta`: plain ops.
 
     For eager calls, which may bring a new shape each and compile nothing:
-    two passes over `x` in `gamma`'s dtype (the variance of the centred
-    values), so inputs far from zero lose nothing to the
-    cancellation of Keras's form; differentiated by autodiff. The arguments
-    are `keras_formula_normalize`'s.
+    passes over `x` in `gamma`'s dtype, centred on the mean and then on the
+    mean of the centred values (the first mean's rounding, about an ulp of
+    the mean, would otherwise shift every output by that over the standard
+    deviation), and the variance of the centred values, so inputs far from
+    zero lose nothing to the cancellation of Keras's form; differentiated by
+    autodiff. The arguments are `keras_formula_normalize`'s.
 
     Example:
     >>> import tensorflow as tf
@@ -105,8 +107,8 @@ def normalize_centered(x, gamma, beta, epsilon, stat_axes, output_dtype):
     [-1.22, 0.0, 1.22]
     """
     x_wide = tf.cast(x, gamma.dtype)
-    mean = tf.reduce_mean(x_wide, stat_axes, keepdims=True)
-    centered = x_wide - mean
+    centered = x_wide - tf.reduce_mean(x_wide, stat_axes, keepdims=True)
+    centered -= tf.reduce_mean(centered, stat_axes, keepdims=True)
     variance = tf.reduce_mean(tf.square(centered), stat_axes, keepdims=True)
     inv = tf.math.rsqrt(variance + epsilon) * gamma
     return tf.cast(centered * inv + beta, output_dtype)

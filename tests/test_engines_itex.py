@@ -90,6 +90,20 @@ def test_every_add_is_paired_with_removes_from_the_other_lists():
     assert fields["clearlist_add"] == ""
 
 
+def test_the_users_own_matmul_entry_takes_itex_fused_matmuls_along():
+    # ITEX fuses most MatMuls: the user's `MatMul` alone left them in bfloat16.
+    environ = {"ITEX_AUTO_MIXED_PRECISION_DENYLIST_ADD": "MatMul"}
+    fields = itex_list_fields({}, {"Softmax": "deny"}, environ=environ)
+    denied = fields["denylist_add"].split(",")
+    assert denied[:2] == ["MatMul", "_ITEXFusedMatMul"]
+    assert "_ITEXFusedMatMulGrad" in denied and "Softmax" in denied
+    assert "_ITEXFusedMatMul" in fields["allowlist_remove"].split(",")
+    # The lists' own placement wins over the user's entry and its variants.
+    fields = itex_list_fields({}, {"MatMul": "allow"}, environ=environ)
+    assert fields["allowlist_add"] == "MatMul"
+    assert "MatMul" not in fields["denylist_add"].split(",")
+
+
 def test_the_users_config_is_the_starting_point():
     current = {
         "denylist_add": "Pow,Softmax",  # kept, Softmax moves away below
@@ -103,11 +117,15 @@ def test_the_users_config_is_the_starting_point():
     fields = itex_list_fields(current, {"Softmax": "allow"}, environ=environ)
     assert fields["denylist_add"] == "Pow"
     assert fields["allowlist_add"] == "Softmax"
+
     # Every op the lists ADD is also REMOVEd from the other lists, the user's
     # own entries included (ITEX's defaults could hold them elsewhere).
-    assert fields["allowlist_remove"] == "Einsum,Sqrt,Pow"
+    def entries(field):
+        return set(fields[field].split(","))
+
+    assert entries("allowlist_remove") == {"Einsum", "Sqrt", "Pow"}
     assert fields["inferlist_add"] == "Sqrt"
-    assert fields["denylist_remove"] == "Softmax,Sqrt"
+    assert entries("denylist_remove") == {"Softmax", "Sqrt"}
 
 
 def test_denying_a_layer_warns_of_the_other_layers_its_op_types_reach():

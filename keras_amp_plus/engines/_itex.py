@@ -30,8 +30,10 @@ from keras_amp_plus import _itex_probe as itex_probe
 from keras_amp_plus._arguments import require_model
 from keras_amp_plus._lists.list_fields import (
     FIELD_NAMES,
+    LIST_NAMES,
     merge_list_fields,
     op_placements,
+    split_op_types,
     without_conflicts,
 )
 from keras_amp_plus._lists.precision_lists import PrecisionLists, as_precision_lists
@@ -97,6 +99,11 @@ def itex_list_fields(current_fields, placements, environ=None) -> dict:
     Returns:
         `{field: "Op1,Op2"}` for all eight fields.
 
+    The user's own ADDs (config or variables) take their op types' fused
+    variants along, as `placements` do (`with_fused_variants`): ITEX fuses
+    most MatMuls into `_ITEXFusedMatMul`, which a `MatMul` entry alone
+    leaves in low precision.
+
     Example:
     >>> fields = itex_list_fields({}, {"Mean": "deny"}, environ={})
     >>> fields["denylist_add"], fields["inferlist_remove"]
@@ -107,6 +114,13 @@ def itex_list_fields(current_fields, placements, environ=None) -> dict:
         field: current_fields.get(field) or environ.get(ENV_PREFIX + field.upper())
         for field in FIELD_NAMES
     }
+    users = {
+        op_type: name
+        for name in LIST_NAMES
+        for op_type in split_op_types(base[f"{name}list_add"])
+    }
+    # The lists' placements win over the user's entries and their variants.
+    placements = {**with_fused_variants(users), **placements}
     return without_conflicts(merge_list_fields(base, placements))
 
 

@@ -273,15 +273,25 @@ def uncast_consumers(layer) -> list:
 
     Keras 2 turns `+`, `*` and `tf.*` calls on a functional model's tensors
     into `TFOpLambda` layers built with `autocast=False`: handed a float32
-    and a 16-bit tensor, they fail the step. Keras 3's operations promote.
+    and a 16-bit tensor (`h + r`), they fail the step. One of one input
+    (`tf.nn.relu(h)`, `h * 0.5`) mixes nothing but hands the dtype on: the
+    layers it feeds are looked at in turn. Keras 3's operations promote.
     """
     if IS_KERAS_3:
         return []
+    found = []
     # Keras 2's functional graph, private: the one way to find such layers
     # before a step fails on them. Other layers built without autocasting
     # (this package's normalizations) cast their inputs themselves.
-    consumers = (node.outbound_layer for node in getattr(layer, "_outbound_nodes", ()))
-    return [c for c in consumers if type(c).__module__ == _KERAS_2_OP_LAYERS]
+    for node in getattr(layer, "_outbound_nodes", ()):
+        consumer = node.outbound_layer
+        if type(consumer).__module__ != _KERAS_2_OP_LAYERS:
+            continue
+        if len(tf.nest.flatten(node.keras_inputs)) > 1:
+            found.append(consumer)
+        else:
+            found.extend(uncast_consumers(consumer))
+    return found
 
 
 _KERAS_2_OP_LAYERS = "keras.src.layers.core.tf_op_layer"
@@ -710,17 +720,23 @@ def metric_direction(metric) -> str | None:
     Keras 3's metrics carry it in the private `_direction` (what Keras's own
     `EarlyStopping` and `ModelCheckpoint` read, so the one place to learn
     it). Keras 2's callbacks guess it from the name in `mode="auto"`, each
-    its own way: the direction both guess, else None.
+    its own way: "up" where both guess it, else None (they guess "down" for
+    `precision` too, which users then monitor with `mode="max"`; a loss is
+    "down" by its name, `_step_recorder._direction_of`).
     """
     if IS_KERAS_3:
         return getattr(metric, "_direction", None)
     name = metric.name
-    # Keras 2.15's `EarlyStopping` and `ModelCheckpoint`, `mode="auto"`.
-    up_to_early_stopping = "acc" in name or name.startswith("fmeasure")
-    up_to_checkpoint = name.endswith(("acc", "accuracy", "auc"))
-    if up_to_early_stopping == up_to_checkpoint:
-        return "up" if up_to_checkpoint else "down"
-    return None
+    # Keras 2.15's `ModelCheckpoint` and `EarlyStopping`, `mode="auto"`.
+    up_to_checkpoint = "acc" in name or name.startswith("fmeasure")
+    up_to_early_stopping = name.endswith(("acc", "accuracy", "auc"))
+    return "up" if up_to_checkpoint and up_to_early_stopping else None
+
+
+# Keras 2's callbacks start from the worst value and take a value for the
+# best only if it beats it: never a NaN. Keras 3's take the first value they
+# see, NaN included, and nothing beats a NaN after it.
+NAN_IS_NEVER_THE_BEST = not IS_KERAS_3
 
 
 def optimizer_built(optimizer) -> bool:

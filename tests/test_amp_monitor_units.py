@@ -151,6 +151,28 @@ def test_forward_replay_input_cast_overflow():
     assert found == {"layer": model.get_layer("narrow").path, "reason": "input_cast"}
 
 
+def test_forward_replay_blames_the_container_for_values_gone_bad_between_layers():
+    # `wide` outputs 1e6 in float32, but `after` receives what an exp between
+    # layers made of `small`'s output: not a cast of `wide`'s output.
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    big = keras.initializers.Constant(3e5)
+    wide = keras.layers.Dense(4, dtype="float32", name="wide", kernel_initializer=big)
+    hidden = keras.layers.Rescaling(1e-6, dtype="float32", name="tame")(wide(inputs))
+    ones = keras.initializers.Constant(1.0)
+    hidden = keras.layers.Dense(4, name="small", kernel_initializer=ones)(hidden)
+    hidden = keras.ops.exp(hidden * 30.0)  # overflows float16, no layer's own
+    backbone = keras.Model(
+        inputs, keras.layers.Dense(4, name="after")(hidden), name="backbone"
+    )
+    model = keras.Sequential([keras.Input((4,)), backbone, keras.layers.Dense(1)])
+    index = attribution.LayerIndex(model)
+    found = attribution.find_forward_overflow(
+        model, (np.ones((2, 4), "float32"),), index.layers
+    )
+    assert found == {"layer": "backbone", "reason": "output"}
+
+
 def test_list_editor_layer_level_is_reversible():
     keras.config.set_dtype_policy("mixed_float16")
     model = sequential_model()

@@ -133,16 +133,16 @@ def test_the_users_own_add_is_paired_and_the_rewrite_still_runs(
     assert os.environ[DENY_ADD] == op_type
 
 
-def test_a_misspelt_op_type_in_the_users_variables_is_refused(monkeypatch, tmp_path):
-    monkeypatch.setenv(DENY_ADD, "Matmul")
-    environment = {name: os.environ.get(name) for name in TOUCHED_VARIABLES}
-    options = tf.config.optimizer.get_experimental_options()
+def test_a_misspelt_op_type_in_the_users_variables_is_said(monkeypatch, tmp_path):
+    # Grappler ignores it (the user's placement is lost); custom and internal
+    # op types are not in `tf.raw_ops` either: a warning, not a refusal.
+    monkeypatch.setenv(DENY_ADD, "Matmul,_FusedMatMul")
     engine = GrapplerEngine(log_dir=str(tmp_path))
-    with pytest.raises(ValueError, match=r"'Matmul'.*Did you mean MatMul") as info:
+    with pytest.warns(UserWarning, match=r"'Matmul'.*Did you mean MatMul") as said:
         engine.apply(_model(), PrecisionLists())
-    assert f"{DENY_ADD}': 'Matmul'" in str(info.value)
-    assert {name: os.environ.get(name) for name in TOUCHED_VARIABLES} == environment
-    assert tf.config.optimizer.get_experimental_options() == options
+    engine.restore()
+    messages = [str(w.message) for w in said if "Grappler ignores" in str(w.message)]
+    assert len(messages) == 1 and f"Received: {DENY_ADD}=('Matmul',)" in messages[0]
 
 
 def test_bad_entries_raise_before_any_global_change(tmp_path):

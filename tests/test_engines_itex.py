@@ -8,6 +8,7 @@ from keras_amp_plus._lists.list_fields import (
     FIELD_NAMES,
     merge_list_fields,
     op_placements,
+    without_conflicts,
 )
 from keras_amp_plus._lists.precision_lists import PrecisionLists
 from keras_amp_plus.engines import ItexEngine
@@ -88,6 +89,14 @@ def test_every_add_is_paired_with_removes_from_the_other_lists():
         assert "MatMul" in fields[f"{name}list_remove"].split(",")
     assert fields["denylist_remove"] == "MatMul"
     assert fields["clearlist_add"] == ""
+
+
+def test_a_remove_beside_an_add_to_the_same_list_keeps_its_meaning():
+    # REMOVE wins over an ADD to the same list: the op type is in no list,
+    # and nothing pairs it with REMOVEs from the others.
+    fields = without_conflicts({"denylist_add": "Mean", "denylist_remove": "Mean"})
+    assert fields["denylist_remove"] == "Mean"
+    assert fields["allowlist_remove"] == fields["inferlist_remove"] == ""
 
 
 def test_the_users_own_matmul_entry_takes_itex_fused_matmuls_along():

@@ -461,7 +461,7 @@ def test_keras_2_layers_that_skip_autocasting_move_back_to_16_bits(caplog):
     assert np.isfinite(np.asarray(outputs, "float32")).all()
 
 
-@pytest.mark.parametrize("residual", ["plus", "add_layer"])
+@pytest.mark.parametrize("residual", ["plus", "add_layer", "relu", "relu_then_plus"])
 def test_a_layer_feeding_a_keras_2_op_layer_keeps_its_precision(
     residual, tmp_path, caplog
 ):
@@ -475,8 +475,12 @@ def test_a_layer_feeding_a_keras_2_op_layer_keeps_its_precision(
     skipped = keras.layers.Dense(16, name="res")(hidden)
     if residual == "plus":
         hidden = hidden + skipped
-    else:
+    elif residual == "add_layer":
         hidden = keras.layers.Add()([hidden, skipped])
+    elif residual == "relu":  # an op layer of one input mixes no dtypes
+        hidden = tf.nn.relu(hidden)
+    else:  # but hands its input's dtype on to the `+` after it
+        hidden = tf.nn.relu(hidden) + skipped
     outputs = keras.layers.Dense(2, dtype="float32", name="head")(hidden)
     model = keras.Model(inputs, outputs)
     model.compile(
@@ -488,17 +492,21 @@ def test_a_layer_feeding_a_keras_2_op_layer_keeps_its_precision(
     y = np.zeros(64, "int64")
     monitor = kap.AMPMonitor(str(tmp_path))
     with caplog.at_level("WARNING", logger="keras_amp_plus"):
-        model.fit(x, y, epochs=2, batch_size=32, verbose=0, callbacks=[monitor])
+        history = model.fit(
+            x, y, epochs=2, batch_size=32, verbose=0, callbacks=[monitor]
+        ).history
     # (`Add` may follow: its cast of `embed`'s float32 outputs can overflow.)
     assert monitor.lists.deny_layers[0] == "embed"
     said = [m for m in caplog.messages if "cast no inputs" in m]
-    if residual == "plus":
+    if "plus" in residual:
         assert model.get_layer("embed").compute_dtype == "float16"
         assert len(said) == 1 and "'tf.__operators__.add'" in said[0]
         assert "keras.layers.Add()" in said[0]
     else:
         assert model.get_layer("embed").compute_dtype == "float32"
         assert not said
+    if residual == "relu":  # (after `Add`, its own cast overflows next)
+        assert np.isfinite(history["loss"][-1])
     assert model.predict(x[:4], verbose=0).shape == (4, 2)
 
 
@@ -520,6 +528,8 @@ def test_keras_2_accuracies_of_skipped_epochs_and_nan_outputs_read_minus_inf(tmp
         metrics=[
             "accuracy",
             keras.metrics.SparseCategoricalAccuracy(name="sparse_acc"),
+            # The callbacks disagree on this name ("acc" in it, no "acc" end).
+            keras.metrics.SparseCategoricalAccuracy(name="acc_of_top"),
         ],
     )
     x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
@@ -540,4 +550,7 @@ def test_keras_2_accuracies_of_skipped_epochs_and_nan_outputs_read_minus_inf(tmp
     assert history["loss"][0] == history["val_loss"][0] == np.inf
     for name in ("accuracy", "sparse_acc", "val_accuracy", "val_sparse_acc"):
         assert history[name][0] == -np.inf and np.isfinite(history[name][1])
+    # Never the best of a Keras 2 callback, whatever its mode.
+    disagreed = history["val_acc_of_top"]
+    assert np.isnan(disagreed[0]) and np.isfinite(disagreed[1])
     assert checkpoint.best == history["val_accuracy"][1]

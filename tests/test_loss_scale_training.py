@@ -244,6 +244,19 @@ def test_gradients_of_a_loss_scale_loss_never_saw_are_said_once(
         assert "Received: gradients of a loss" in str(said[0].message)
 
 
+def test_a_loop_scaling_eagerly_and_applying_in_a_function_is_not_warned():
+    variable = tf.Variable([1.0])
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with tf.GradientTape() as tape:
+        scaled = optimizer.scale_loss(tf.reduce_sum(variable * 2.0))
+    grads = tape.gradient(scaled, [variable])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tf.function(lambda: optimizer.apply(grads, [variable]))()
+    assert not [w for w in caught if "scale_loss(loss)" in str(w.message)]
+    np.testing.assert_allclose(variable.numpy(), [0.8])
+
+
 def test_keras_train_step_and_the_guard_are_not_said_to_skip_scale_loss():
     x, y = regression_data()
     for optimizer, model in (

@@ -83,6 +83,8 @@ def without_conflicts(fields) -> dict:
     added = {}
     for target in LIST_NAMES:
         for op_type in names[f"{target}list_add"]:
+            if op_type in names[f"{target}list_remove"]:
+                continue  # REMOVE wins over an ADD to the same list: in no list
             if op_type in added:
                 raise ValueError(
                     f"Op type {op_type!r} is added to two lists ({added[op_type]} "

@@ -186,9 +186,10 @@ def _cast_overflow_inside(inputs, inside, finished, ends_before):
     is the first layer called inside (`inside`: `_Entry`s in call order)
     whose inputs were not finite, when the values it was handed overflow
     its compute dtype: the container's own inputs, if no call inside had
-    ended before it began, else the finite output of a call that had ended
-    inside (`finished`: the `_End`s in order, those of calls inside the
-    container from index `ends_before`, the count when it began).
+    ended before it began, else the finite output of the call that ended
+    last before it began (`finished`: the `_End`s in order, those of calls
+    inside the container from index `ends_before`, the count when it
+    began), which a layer after a float32 one receives.
     Otherwise None: the values went bad between the layers, as attention
     scores inside `MultiHeadAttention` do, and the container is to blame.
     """
@@ -196,12 +197,10 @@ def _cast_overflow_inside(inputs, inside, finished, ends_before):
     if entry is None:
         return None
     dtype = tf.as_dtype(entry.layer.compute_dtype)
-    handed = finished[ends_before : entry.ends_before]
-    if not handed:
+    if entry.ends_before == ends_before:  # nothing ended inside before it
         return None if _all_finite(_cast_floats(inputs, dtype)) else entry.layer
-    overflowing = any(
-        end.outputs_finite and not _finite_in(end.largest, dtype) for end in handed
-    )
+    last = finished[entry.ends_before - 1]
+    overflowing = last.outputs_finite and not _finite_in(last.largest, dtype)
     return entry.layer if overflowing else None
 
 

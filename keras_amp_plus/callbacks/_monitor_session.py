@@ -86,9 +86,9 @@ OVERFLOW_IN_FLOAT32 = (
 )
 
 NAN_VALIDATION = (
-    "AMPMonitor epoch %d: validation gave NaN for %s (%s). Callbacks read "
-    "`inf` for a loss, `-inf` for an accuracy (also one measured on the NaN "
-    "outputs of a NaN loss), the worst values, so "
+    "AMPMonitor epoch %d: validation gave NaN, and these results read their "
+    "worst values: %s (%s). Callbacks read `inf` for a loss, `-inf` for an "
+    "accuracy (also one measured on the NaN outputs of a NaN loss), so "
     "`EarlyStopping` and `ModelCheckpoint(save_best_only=True)` do not keep "
     "it for the best (Keras 3's take a first NaN for the best forever)."
 )

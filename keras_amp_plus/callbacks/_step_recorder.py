@@ -386,8 +386,10 @@ class StepRecorder:
         measured epoch beats; its name is noted for the epoch's warning.
         A NaN loss means NaN outputs, and the other metrics were measured on
         them (an argmax of NaN picks class 0: an accuracy as high as class
-        0's share): they read their worst values too (NaN where the
-        direction is unknown).
+        0's share): they read their worst values too, or NaN where the
+        direction is unknown and NaN is never a callback's best (Keras 2);
+        Keras 3's take a first NaN for the best, so there such a metric keeps
+        its value.
         """
         directions = _metric_directions(self.model)
         nan_loss = any(
@@ -396,8 +398,8 @@ class StepRecorder:
         reported = {}
         for name, value in results.items():
             direction = _direction_of(name, directions)
-            # Measured on NaN outputs, a metric of unknown direction reads NaN.
-            if (direction is not None and _holds_nan(value)) or nan_loss:
+            known = direction is not None or _compat.NAN_IS_NEVER_THE_BEST
+            if known and (nan_loss or _holds_nan(value)):
                 self.nan_validation_metrics.append(name)
                 value = _no_value_like(value, direction)
             reported[name] = value

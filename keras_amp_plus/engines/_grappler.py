@@ -39,8 +39,10 @@ from keras_amp_plus._lists.list_fields import (
     FIELD_NAMES,
     merge_list_fields,
     op_placements,
+    split_op_types,
     without_conflicts,
 )
+from keras_amp_plus._lists.op_types import check_op_types
 from keras_amp_plus._lists.precision_lists import PrecisionLists, as_precision_lists
 from keras_amp_plus.engines._base import (
     Engine,
@@ -134,20 +136,30 @@ _applied_engines = GlobalStateStack()
 
 
 def check_user_variables(base) -> None:
-    """Raise a ValueError for list variables the user set that grappler would drop.
+    """Warn of op types in the user's list variables that TensorFlow does not know.
 
-    A misspelt op type is ignored by grappler (the user's placement is lost)
-    and one ADDed to two lists makes it skip the whole rewrite: both read
-    as `PrecisionLists.from_env` reads them, whose error names the fix.
+    Grappler ignores such an entry (a misspelt `Matmul`): the user's placement
+    would be lost without a sign. Custom (`tf.load_op_library`) and internal
+    (`_FusedMatMul`) op types are not in `tf.raw_ops` either, so this warns
+    rather than refuses. An op type ADDed to two lists raises
+    (`without_conflicts`).
 
     Args:
         base: `{field: value or None}`, the user's variables by list field.
     """
-    environ = {list_variable(field): value for field, value in base.items() if value}
-    with warnings.catch_warnings():
-        # A REMOVE without an ADD elsewhere is honoured here: no warning.
-        warnings.simplefilter("ignore", UserWarning)
-        PrecisionLists.from_env(environ)
+    for field, value in base.items():
+        for op_type in split_op_types(value):
+            if op_type.startswith("_"):
+                continue  # internal op types are written deliberately
+            try:
+                check_op_types([op_type], list_variable(field))
+            except ValueError as error:
+                warnings.warn(
+                    f"{error} Grappler ignores an op type it does not know; if "
+                    "this is a custom op, ignore this warning.",
+                    UserWarning,
+                    stacklevel=4,
+                )
 
 
 class GrapplerEngine(Engine):

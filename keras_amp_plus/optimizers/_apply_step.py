@@ -234,14 +234,14 @@ def _check_not_xla_over_replicas() -> None:
 
 
 LOSS_NOT_SCALED = (
-    "`LossScaleOptimizer.apply()` received gradients in a step whose loss never "
-    "went through `optimizer.scale_loss(loss)`. `apply` divides every gradient "
+    "`LossScaleOptimizer.apply()` received gradients, and no loss has gone "
+    "through `optimizer.scale_loss(loss)` yet. `apply` divides every gradient "
     "by the loss scale ({scale:g} at the start), so gradients of the unscaled loss "
     "update the weights that many times too little, without any other sign. "
     "In a custom `train_step` or training loop, differentiate "
     "`scaled_loss = self.optimizer.scale_loss(loss)` (inside the tape), as "
     "Keras's own train step does. Received: gradients of a loss "
-    "`scale_loss` did not see in this step"
+    "`scale_loss` never saw"
 )
 
 
@@ -291,7 +291,9 @@ def apply_step(optimizer, grads, trainable_variables=None) -> None:
             f"Received: {len(grads)} gradients, {len(variables)} variables"
         )
     positions = optimizer._tracked.positions(variables)
-    if not optimizer._loss_watch.saw_loss():
+    if not optimizer._loss_watch.ever_watched:
+        # Never seen, in any function: a loop that scales in one function and
+        # applies in another (or eagerly) is not told it did not scale.
         _warn_once_unscaled_loss(optimizer)
     # Finite, non-finite or not seen (a custom step that never scaled it);
     # the codes are ordered so that the largest over replicas is the answer.

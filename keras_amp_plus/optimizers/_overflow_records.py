@@ -86,16 +86,13 @@ class LossWatch:
 
     def __init__(self):
         self._local = threading.local()
+        self.ever_watched = False  # any loss, in any graph or eagerly
 
     def watch(self, loss) -> None:
         """Remember whether `loss` is finite (called by `scale_loss`)."""
         finite = tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(loss)))
         self._local.seen = (_current_graph(), finite)
-
-    def saw_loss(self) -> bool:
-        """Return whether `scale_loss` saw this step's loss (this graph, or eagerly)."""
-        graph, finite = getattr(self._local, "seen", (None, None))
-        return finite is not None and graph is _current_graph()
+        self.ever_watched = True
 
     def take(self):
         """Return the int64 loss-state code of this step's loss and forget it."""

@@ -87,11 +87,13 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
         name: optional name. Defaults to `None`.
 
     Example:
-    >>> import keras, keras_amp_plus
+    >>> import keras, keras_amp_plus, tensorflow as tf
     >>> opt = keras_amp_plus.optimizers.LossScaleOptimizer(
     ...     keras.optimizers.SGD(0.1), initial_scale=8.0, min_scale=2.0)
     >>> v = keras.Variable([1.0])
-    >>> opt.apply([keras.ops.array([float("inf")])], [v])
+    >>> with tf.GradientTape() as tape:  # a loss that overflowed
+    ...     scaled = opt.scale_loss(keras.ops.sum(v * float("inf")))
+    >>> opt.apply(tape.gradient(scaled, [v]), [v])
     >>> opt.overflow_summary()["overflow_count"], float(v.numpy()[0])
     (1, 1.0)
     >>> opt.overflow_summary()["loss_scale"]

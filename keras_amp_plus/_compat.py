@@ -294,6 +294,7 @@ def uncast_consumers(layer) -> list:
     return found
 
 
+# Private Keras 2 module of the op layers (`TFOpLambda`, ...): no public name.
 _KERAS_2_OP_LAYERS = "keras.src.layers.core.tf_op_layer"
 
 

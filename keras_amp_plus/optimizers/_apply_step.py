@@ -28,6 +28,11 @@ from keras_amp_plus.optimizers import (
 from keras_amp_plus.optimizers._finite_flags import any_nan, finite_flags
 
 
+def in_guard_mode(optimizer) -> bool:
+    """Return whether the scale is fixed at 1 (`LossScaleOptimizer.guard`)."""
+    return optimizer.min_scale == optimizer.max_scale == 1.0
+
+
 def apply_unscaled(optimizer, grads, trainable_variables):
     """Unscale the gradients and let the inner optimizer apply them.
 
@@ -35,7 +40,7 @@ def apply_unscaled(optimizer, grads, trainable_variables):
     wasted pass) and from Keras 2's `apply_gradients`, whose contract takes
     unscaled gradients.
     """
-    if optimizer.min_scale == optimizer.max_scale == 1.0 or getattr(
+    if in_guard_mode(optimizer) or getattr(
         optimizer, "gradients_unscaled_by_caller", False
     ):
         unscaled = list(grads)
@@ -252,7 +257,7 @@ def _warn_once_unscaled_loss(optimizer) -> None:
     time. Not where the gradients are not divided: in guard mode, and from
     Keras 2's `apply_gradients`, whose contract takes unscaled gradients.
     """
-    if optimizer.min_scale == optimizer.max_scale == 1.0:
+    if in_guard_mode(optimizer):
         return
     if getattr(optimizer, "gradients_unscaled_by_caller", False):
         return

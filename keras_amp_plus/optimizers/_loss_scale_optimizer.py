@@ -231,7 +231,7 @@ class LossScaleOptimizer(_compat.LossScaleOptimizerBase):
         it with an overflow event (an Inf/NaN loss is a forward overflow).
         """
         self._loss_watch.watch(loss)
-        if self.min_scale == self.max_scale == 1.0:
+        if _apply_step.in_guard_mode(self):
             return loss
         return super().scale_loss(loss)
 
